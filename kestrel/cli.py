@@ -1,0 +1,90 @@
+"""The subcommands and the engine options they share."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--attention-backend", default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        page_size=args.page_size,
+        seed=args.seed,
+        load_format=args.load_format,
+        attention_backend=args.attention_backend,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kestrel import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
+    for output in llm.generate(args.prompt, params, use_tqdm=False):
+        completion = output.outputs[0]
+        print(f"prompt: {output.prompt!r}")
+        print(f"output: {completion.text!r}  ({len(completion.token_ids)} tokens, {completion.finish_reason})")
+    return 0
+
+
+def run_make_demo_model(args: argparse.Namespace) -> int:
+    from kestrel.demo import make_demo_model
+
+    path = make_demo_model(args.output_dir, seed=args.seed)
+    print(f"wrote a demo Qwen3 checkpoint to {path}")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from kestrel.bench.throughput import run_throughput_benchmark
+
+    return run_throughput_benchmark(args)
+
+
+def add_commands(commands: Any) -> None:
+    generate = commands.add_parser("generate", help="generate text for one or more prompts")
+    generate.add_argument("--model", required=True)
+    generate.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_options(generate)
+    generate.set_defaults(handler=run_generate)
+
+    demo = commands.add_parser("make-demo-model", help="write a small random Qwen3 checkpoint")
+    demo.add_argument("output_dir")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(handler=run_make_demo_model)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    throughput = kinds.add_parser("throughput", help="offline throughput against HF generate")
+    source = throughput.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model")
+    source.add_argument("--dummy-config")
+    throughput.add_argument("--num-prompts", type=int, default=64)
+    throughput.add_argument("--input-len", type=int, default=128)
+    throughput.add_argument("--output-len", type=int, default=64)
+    throughput.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=True)
+    throughput.add_argument("--output-json", default=None)
+    add_engine_options(throughput)
+    throughput.set_defaults(handler=run_bench)

@@ -1,0 +1,44 @@
+"""EngineArgs: what a user asks for. Resolved once into the engine's parts (engine/setup.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_gb: float | None = None
+    page_size: int = 16
+    seed: int = 0
+    load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
+    attention_backend: str | None = None
+    tokenizer: str | None = None  # defaults to the model directory
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
+            (self.page_size >= 1, f"page_size must be at least 1, got {self.page_size}"),
+            (
+                self.max_model_len is None or self.max_model_len >= 1,
+                f"max_model_len must be at least 1, got {self.max_model_len}",
+            ),
+            (
+                self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+            ),
+            (
+                self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
+                f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,93 @@
+"""AttentionBackend: one attention implementation, with select / allocate / bind / execute apart.
+
+- select: `registry.select_backend` checks each backend's declared `BackendCapabilities`;
+- allocate: `allocate(workspace)` takes the persistent buffers the backend needs;
+- bind: `bind(layout)` turns a step's plain-data layout into typed `AttentionMetadata`;
+- execute: `forward(...)` stores the new keys and values and computes attention for one layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.core.batch import BatchLayout
+from kestrel.core.metadata import AttentionMetadata
+from kestrel.core.state import KVLayerCache
+from kestrel.core.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """What one attention layer asks of a backend."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    head_dims: frozenset[int] | None  # None: any head size
+    sliding_window: bool
+    cuda_graphs: bool
+
+
+@dataclass(frozen=True)
+class BackendRequirements:
+    """What a model on a runtime needs from its attention backend."""
+
+    device: str
+    dtype: torch.dtype
+    head_dim: int
+    sliding_window: bool
+
+
+class AttentionBackend(ABC):
+    name: str
+    capabilities: BackendCapabilities
+
+    def __init__(self, device: torch.device, page_size: int) -> None:
+        self.device = device
+        self.page_size = page_size
+
+    @classmethod
+    def refusals(cls, needs: BackendRequirements) -> list[str]:
+        """Why this backend cannot serve `needs`; empty when it can."""
+        caps = cls.capabilities
+        reasons = []
+        if needs.device not in caps.devices:
+            reasons.append(f"device {needs.device} not in {sorted(caps.devices)}")
+        if needs.dtype not in caps.dtypes:
+            reasons.append(f"dtype {needs.dtype} not supported")
+        if caps.head_dims is not None and needs.head_dim not in caps.head_dims:
+            reasons.append(f"head_dim {needs.head_dim} not in {sorted(caps.head_dims)}")
+        if needs.sliding_window and not caps.sliding_window:
+            reasons.append("sliding-window attention not supported")
+        return reasons
+
+    def allocate(self, workspace: Workspace) -> None:
+        """Reserve persistent buffers; the default backend needs none."""
+        return None
+
+    @abstractmethod
+    def bind(self, layout: BatchLayout) -> AttentionMetadata:
+        """Build the metadata for one step; called once per step, shared by every layer."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVLayerCache,
+        metadata: AttentionMetadata,
+        layer: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        """Store `key`/`value` [tokens, kv_heads, dim] in `cache`; return attention [tokens, heads, dim]."""

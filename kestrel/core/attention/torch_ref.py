@@ -1,0 +1,158 @@
+"""The torch reference backend: paged KV attention in plain PyTorch, on any device.
+
+Decodes run as one padded batch; each prefill sequence runs on its own. It is the
+correctness reference every other backend is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.core.attention.base import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    BackendCapabilities,
+)
+from kestrel.core.batch import BatchLayout, SequenceChunk
+from kestrel.core.graph import GraphPhase
+from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from kestrel.core.state import KVLayerCache
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch"
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        head_dims=None,
+        sliding_window=True,
+        cuda_graphs=False,
+    )
+
+    def bind(self, layout: BatchLayout) -> AttentionMetadata:
+        decodes = layout.chunks[: layout.num_decodes]
+        prefills = layout.chunks[layout.num_decodes :]
+        return AttentionMetadata(
+            phase=GraphPhase.of(len(decodes), len(prefills)),
+            slot_mapping=self._tensor(_slot_mapping(layout)),
+            decode=self._decode_metadata(decodes) if decodes else None,
+            prefill=self._prefill_metadata(prefills, layout.num_decodes) if prefills else None,
+        )
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _page_table(self, chunks: tuple[SequenceChunk, ...]) -> torch.Tensor:
+        width = max(len(chunk.page_ids) for chunk in chunks)
+        rows = [list(chunk.page_ids) + [0] * (width - len(chunk.page_ids)) for chunk in chunks]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _decode_metadata(self, chunks: tuple[SequenceChunk, ...]) -> DecodeMetadata:
+        seq_lens = [chunk.seq_len for chunk in chunks]
+        return DecodeMetadata(
+            num_seqs=len(chunks),
+            seq_lens=self._tensor(seq_lens),
+            page_table=self._page_table(chunks),
+            max_seq_len=max(seq_lens),
+        )
+
+    def _prefill_metadata(self, chunks: tuple[SequenceChunk, ...], first_row: int) -> PrefillMetadata:
+        starts = [first_row]
+        for chunk in chunks:
+            starts.append(starts[-1] + chunk.query_len)
+        return PrefillMetadata(
+            query_start_loc=tuple(starts),
+            num_cached_tokens=tuple(chunk.num_cached_tokens for chunk in chunks),
+            seq_lens=tuple(chunk.seq_len for chunk in chunks),
+            page_table=self._page_table(chunks),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVLayerCache,
+        metadata: AttentionMetadata,
+        layer: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        store_kv(cache, key, value, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.decode is not None:
+            rows = metadata.decode.num_seqs
+            output[:rows] = _decode_attention(query[:rows], cache, metadata.decode, layer)
+        if metadata.prefill is not None:
+            _prefill_attention(query, cache, metadata.prefill, layer, output)
+        return output
+
+
+def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    heads, dim = key.shape[1], key.shape[2]
+    cache.key.view(-1, heads, dim).index_copy_(0, slots, key.to(cache.key.dtype))
+    cache.value.view(-1, heads, dim).index_copy_(0, slots, value.to(cache.value.dtype))
+
+
+def _slot_mapping(layout: BatchLayout) -> list[int]:
+    slots = []
+    for chunk in layout.chunks:
+        for position in range(chunk.num_cached_tokens, chunk.seq_len):
+            page = chunk.page_ids[position // layout.page_size]
+            slots.append(page * layout.page_size + position % layout.page_size)
+    return slots
+
+
+def _gather(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """[num_pages, page, heads, dim] gathered by [rows, width] -> [rows, heads, width*page, dim]."""
+    gathered = pages[page_table]
+    rows, width, page, heads, dim = gathered.shape
+    return gathered.view(rows, width * page, heads, dim).transpose(1, 2)
+
+
+def _decode_attention(
+    query: torch.Tensor, cache: KVLayerCache, meta: DecodeMetadata, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    keys = _gather(cache.key, meta.page_table)
+    values = _gather(cache.value, meta.page_table)
+    key_positions = torch.arange(keys.shape[2], device=query.device)
+    seq_lens = meta.seq_lens[:, None]
+    mask = key_positions[None, :] < seq_lens
+    if layer.sliding_window is not None:
+        mask &= key_positions[None, :] >= seq_lens - layer.sliding_window
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :].to(keys.dtype),
+        keys,
+        values,
+        attn_mask=mask[:, None, None, :],
+        scale=layer.scale,
+        enable_gqa=layer.num_heads != layer.num_kv_heads,
+    )
+    return out[:, :, 0, :].to(query.dtype)
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    cache: KVLayerCache,
+    meta: PrefillMetadata,
+    layer: AttentionLayerSpec,
+    output: torch.Tensor,
+) -> None:
+    for index, (cached, seq_len) in enumerate(zip(meta.num_cached_tokens, meta.seq_lens)):
+        start, end = meta.query_start_loc[index], meta.query_start_loc[index + 1]
+        table = meta.page_table[index : index + 1]
+        keys = _gather(cache.key, table)[:, :, :seq_len]
+        values = _gather(cache.value, table)[:, :, :seq_len]
+        query_positions = torch.arange(cached, seq_len, device=query.device)[:, None]
+        key_positions = torch.arange(seq_len, device=query.device)[None, :]
+        mask = key_positions <= query_positions
+        if layer.sliding_window is not None:
+            mask &= key_positions > query_positions - layer.sliding_window
+        out = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None].to(keys.dtype),
+            keys,
+            values,
+            attn_mask=mask[None, None],
+            scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        output[start:end] = out[0].transpose(0, 1).to(query.dtype)

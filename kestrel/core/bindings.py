@@ -1,0 +1,106 @@
+"""WeightBindings: checkpoint tensor name -> parameter slot, with strict accounting.
+
+A module whose parameters are stacked from several checkpoint tensors (q, k, v -> qkv)
+implements `ShardedModule`: it names the pieces and loads each into its slice. Every piece
+of every parameter must be bound exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+class WeightBindingError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PackedMapping:
+    """Checkpoint module suffix `source` is shard `shard_id` of the module `target`."""
+
+    source: str  # e.g. "q_proj"
+    target: str  # e.g. "qkv_proj"
+    shard_id: str  # e.g. "q"
+
+
+@runtime_checkable
+class ShardedModule(Protocol):
+    """A module whose parameters are stacked from named pieces."""
+
+    def shard_ids(self) -> frozenset[str]: ...
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str) -> None: ...
+
+
+def copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise WeightBindingError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
+    param.data.copy_(tensor)
+
+
+class WeightBindings:
+    def __init__(
+        self,
+        model: nn.Module,
+        packed: Iterable[PackedMapping] = (),
+        ignored_names: Iterable[str] = (),
+    ) -> None:
+        self._params = dict(model.named_parameters())
+        self._owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in self._params}
+        self._packed = tuple(packed)
+        self._ignored = frozenset(ignored_names)
+        self._loaded: dict[str, set[str | None]] = {name: set() for name in self._params}
+        self._unexpected: list[str] = []
+
+    def _resolve(self, name: str) -> tuple[str, str | None]:
+        for mapping in self._packed:
+            piece = f".{mapping.source}."
+            if piece in name:
+                return name.replace(piece, f".{mapping.target}."), mapping.shard_id
+        return name, None
+
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._ignored or name.endswith("rotary_emb.inv_freq"):
+            return
+        param_name, shard_id = self._resolve(name)
+        param = self._params.get(param_name)
+        if param is None:
+            self._unexpected.append(name)
+            return
+        if shard_id in self._loaded[param_name]:
+            raise WeightBindingError(f"checkpoint tensor {name} is bound twice")
+        owner = self._owners[param_name]
+        try:
+            with torch.no_grad():
+                if isinstance(owner, ShardedModule):
+                    owner.load_shard(param, tensor, shard_id)
+                else:
+                    copy_whole(param, tensor)
+        except WeightBindingError as error:
+            raise WeightBindingError(f"cannot bind {name}: {error}") from None
+        self._loaded[param_name].add(shard_id)
+
+    def missing(self) -> list[str]:
+        result = []
+        for name in self._params:
+            owner = self._owners[name]
+            required = owner.shard_ids() if isinstance(owner, ShardedModule) else frozenset({None})
+            absent = set(required) - self._loaded[name]
+            result.extend(name if shard is None else f"{name}[{shard}]" for shard in sorted(absent, key=str))
+        return result
+
+    def finish(self) -> None:
+        """Raise if any parameter was left unbound or any checkpoint tensor had no slot."""
+        missing = self.missing()
+        problems = []
+        if missing:
+            problems.append(f"missing from the checkpoint: {', '.join(missing)}")
+        if self._unexpected:
+            problems.append(f"unexpected in the checkpoint: {', '.join(self._unexpected)}")
+        if problems:
+            raise WeightBindingError("checkpoint does not match the model; " + "; ".join(problems))

@@ -1,0 +1,37 @@
+"""AttentionMetadata: typed per-batch facts an attention backend reads, one part per phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.core.graph import GraphPhase
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Sequences with one new token each; they occupy the first `num_seqs` token rows."""
+
+    num_seqs: int
+    seq_lens: torch.Tensor  # [num_seqs], context length including the new token
+    page_table: torch.Tensor  # [num_seqs, max_pages], padded with page 0
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
+class PrefillMetadata:
+    """Sequences with several new tokens, possibly after an already cached prefix."""
+
+    query_start_loc: tuple[int, ...]  # token row where each sequence starts, plus the end
+    num_cached_tokens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    page_table: torch.Tensor  # [num_seqs, max_pages], padded with page 0
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    phase: GraphPhase
+    slot_mapping: torch.Tensor  # [num_tokens], flat KV slot (page * page_size + offset) per token
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None

@@ -1,0 +1,84 @@
+"""ModelRecipe: how one Hugging Face architecture maps onto Kestrel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kestrel.core.bindings import WeightBindings
+from kestrel.core.state import KVCacheSpec
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    scaling: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An architecture's shape, resolved once from `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    eos_token_ids: tuple[int, ...] = ()
+
+    def kv_cache_spec(self, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            page_size=page_size,
+        )
+
+    def num_parameters(self) -> int:
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attention + mlp) + embeddings
+
+
+class CausalLM(Protocol):
+    """What a recipe builds: hidden states from tokens, logits from hidden states."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Any) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+
+class ModelRecipe(Protocol):
+    architectures: tuple[str, ...]
+
+    def spec(self, hf_config: Any) -> ModelSpec:
+        """Read the HF config into a `ModelSpec`; raise ValueError for unsupported variants."""
+        ...
+
+    def build(self, spec: ModelSpec) -> nn.Module:
+        """Build the module; called under a device context (the meta device when loading)."""
+        ...
+
+    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+        """How checkpoint tensor names map onto the module's parameters."""
+        ...

@@ -1,0 +1,168 @@
+"""The runner: executes one step's work. It turns plain data into tensors, binds attention
+metadata, runs the model and samples; everything else belongs to the engine and planner."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kestrel.core.attention.base import AttentionBackend
+from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk
+from kestrel.core.forward import ForwardContext
+from kestrel.core.runtime import DeviceRuntime
+from kestrel.core.sampling import SampledToken, Sampler, SamplingRow, TokenLogprobs, top_logprobs
+from kestrel.core.state import PagedKVProvider
+from kestrel.core.workspace import Workspace
+from kestrel.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SequenceWork:
+    """One request's share of a step, resolved by the engine from a `ScheduledChunk`."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the new tokens whose KV this step computes
+    num_cached_tokens: int
+    page_ids: tuple[int, ...]
+    sample: bool  # the chunk reaches the end of the sequence: sample the next token
+    params: SamplingParams
+    seed: int  # seeds the request's generator the first time it samples
+    prompt_token_ids: Sequence[int] = ()  # for penalties only
+    output_token_ids: Sequence[int] = ()
+    # Where prompt logprobs are wanted: the token that follows each of the first positions.
+    prompt_logprob_targets: tuple[int, ...] = ()
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1
+
+
+@dataclass(frozen=True)
+class SequenceResult:
+    request_id: str
+    sampled: SampledToken | None
+    prompt_logprobs: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    results: tuple[SequenceResult, ...]
+
+
+@dataclass(frozen=True)
+class _LogitRows:
+    """Which logits rows belong to one sequence."""
+
+    prompt_rows: range
+    sample_row: int | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv: PagedKVProvider,
+        runtime: DeviceRuntime,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv = kv
+        self.runtime = runtime
+        self.sampler = Sampler()
+        self.workspace = Workspace(runtime.device)
+        for name in ("input_ids", "positions"):
+            self.workspace.reserve(name, max_num_batched_tokens, torch.long)
+        backend.allocate(self.workspace)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's sampling state."""
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+        ordered = sorted(work, key=lambda item: not item.is_decode)  # stable: decodes first
+        layout = self._layout(ordered)
+        inputs, rows = self._inputs(ordered)
+        context = ForwardContext(self.backend, self.backend.bind(layout), self.kv)
+        hidden = self.model(inputs.input_ids, inputs.positions, context)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampled = self._sample(ordered, rows, logits)
+        prompt = self._prompt_logprobs(ordered, rows, logits)
+        results = tuple(
+            SequenceResult(item.request_id, sampled.get(item.request_id), prompt.get(item.request_id, ()))
+            for item in ordered
+        )
+        return StepOutput(results)
+
+    def _layout(self, ordered: list[SequenceWork]) -> BatchLayout:
+        chunks = tuple(SequenceChunk(len(item.token_ids), item.num_cached_tokens, item.page_ids) for item in ordered)
+        num_decodes = sum(1 for item in ordered if item.is_decode)
+        return BatchLayout(chunks=chunks, num_decodes=num_decodes, page_size=self.kv.spec.page_size)
+
+    def _inputs(self, ordered: list[SequenceWork]) -> tuple[BatchInputs, list[_LogitRows]]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        rows: list[_LogitRows] = []
+        for item in ordered:
+            start = len(token_ids)
+            token_ids.extend(item.token_ids)
+            positions.extend(range(item.num_cached_tokens, item.num_cached_tokens + len(item.token_ids)))
+            first_row = len(logits_indices)
+            logits_indices.extend(range(start, start + len(item.prompt_logprob_targets)))
+            sample_row = None
+            if item.sample:
+                sample_row = len(logits_indices)
+                logits_indices.append(len(token_ids) - 1)
+            rows.append(_LogitRows(range(first_row, first_row + len(item.prompt_logprob_targets)), sample_row))
+        inputs = BatchInputs(
+            input_ids=self._stage("input_ids", token_ids),
+            positions=self._stage("positions", positions),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.runtime.device),
+        )
+        return inputs, rows
+
+    def _stage(self, name: str, values: list[int]) -> torch.Tensor:
+        buffer = self.workspace.get(name, (len(values),), torch.long)
+        buffer.copy_(torch.tensor(values, dtype=torch.long))
+        return buffer
+
+    def _generator(self, item: SequenceWork) -> torch.Generator:
+        generator = self._generators.get(item.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.runtime.device).manual_seed(item.seed)
+            self._generators[item.request_id] = generator
+        return generator
+
+    def _sample(
+        self, ordered: list[SequenceWork], rows: list[_LogitRows], logits: torch.Tensor
+    ) -> dict[str, SampledToken]:
+        chosen = [(item, r.sample_row) for item, r in zip(ordered, rows) if r.sample_row is not None]
+        if not chosen:
+            return {}
+        sampling_rows = [
+            SamplingRow(item.params, self._generator(item), item.prompt_token_ids, item.output_token_ids)
+            for item, _ in chosen
+        ]
+        index = torch.tensor([row for _, row in chosen], dtype=torch.long, device=logits.device)
+        tokens = self.sampler.sample(logits[index], sampling_rows)
+        return {item.request_id: token for (item, _), token in zip(chosen, tokens)}
+
+    def _prompt_logprobs(
+        self, ordered: list[SequenceWork], rows: list[_LogitRows], logits: torch.Tensor
+    ) -> dict[str, tuple[TokenLogprobs, ...]]:
+        results = {}
+        for item, r in zip(ordered, rows):
+            if not item.prompt_logprob_targets:
+                continue
+            logprobs = logits[r.prompt_rows.start : r.prompt_rows.stop].log_softmax(dim=-1)
+            targets = torch.tensor(item.prompt_logprob_targets, dtype=torch.long, device=logits.device)
+            count = item.params.prompt_logprobs or 0
+            results[item.request_id] = tuple(top_logprobs(logprobs, targets, [count] * len(targets)))
+        return results

@@ -1,0 +1,52 @@
+"""DeviceRuntime: everything Kestrel needs to know about one kind of device."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Device memory in bytes, as the runtime measures it now."""
+
+    free_bytes: int
+    total_bytes: int
+
+
+class DeviceRuntime(ABC):
+    """One kind of device: its torch device, dtypes, memory, synchronisation and collectives.
+
+    Everything device-specific that the runner, state providers and backends need goes
+    through this object, so a new device is one new subclass.
+    """
+
+    name: str
+    supports_graphs: bool = False
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]: ...
+
+    @abstractmethod
+    def default_dtype(self) -> torch.dtype: ...
+
+    @abstractmethod
+    def memory_info(self) -> MemoryInfo: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abstractmethod
+    def distributed_backend(self) -> str:
+        """The torch.distributed backend for collectives between ranks on this device."""
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in self.supported_dtypes():
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes())
+            raise ValueError(f"dtype {dtype} is not supported on {self.name}; choose one of: {names}")

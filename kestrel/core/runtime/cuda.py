@@ -1,0 +1,37 @@
+"""The CUDA runtime: one GPU, NCCL collectives."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo
+
+
+class CudaRuntime(DeviceRuntime):
+    name = "cuda"
+    supports_graphs = False  # graph capture is enabled by the graph component once it exists
+
+    def __init__(self, index: int = 0) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was requested but no CUDA device is available")
+        self._device = torch.device("cuda", index)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16, torch.float16, torch.float32)
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def memory_info(self) -> MemoryInfo:
+        free, total = torch.cuda.mem_get_info(self._device)
+        return MemoryInfo(free_bytes=free, total_bytes=total)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self._device)
+
+    def distributed_backend(self) -> str:
+        return "nccl"

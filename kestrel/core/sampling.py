@@ -1,0 +1,150 @@
+"""The sampler: penalties, temperature, top-k / top-p / min-p, seeded draws and logprobs.
+
+Every request draws from its own generator, so a seeded request samples the same tokens
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of logits to sample from."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_token_ids: tuple[int, ...] | list[int]  # read only when penalties are on
+    output_token_ids: tuple[int, ...] | list[int]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's logprob and rank, and the top-N alternatives (model distribution)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output, HF's rule), presence and frequency (output only, OpenAI's)."""
+    for index, row in enumerate(rows):
+        params = row.params
+        if not params.uses_penalties:
+            continue
+        line = logits[index]
+        if params.repetition_penalty != 1:
+            seen = torch.tensor(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                dtype=torch.long,
+                device=logits.device,
+            )
+            if seen.numel():
+                values = line[seen]
+                penalised = torch.where(
+                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+                )
+                line[seen] = penalised
+        if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
+            ids = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=logits.device)
+            counts = torch.zeros_like(line).index_add_(0, ids, torch.ones_like(ids, dtype=line.dtype))
+            line -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p; filtered-out entries become -inf."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    if any(p.top_k for p in params):
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=device).clamp(max=vocab)
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (top_k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Sample one token per row: argmax(p / E) with E ~ Exp(1) is a draw from p."""
+    noise = torch.empty_like(probs)
+    for index, generator in enumerate(generators):
+        noise[index].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Per row: the chosen token's logprob and rank, and the row's top `num_top[i]` entries."""
+    widest = max(num_top)
+    top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (None, None)
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+    ranks = (logprobs > chosen_logprobs[:, None]).sum(dim=-1) + 1
+    results = []
+    for index, count in enumerate(num_top):
+        results.append(
+            TokenLogprobs(
+                token_id=int(chosen[index]),
+                logprob=float(chosen_logprobs[index]),
+                rank=int(ranks[index]),
+                top_token_ids=tuple(top_ids[index, :count].tolist()) if count else (),
+                top_logprobs=tuple(top_values[index, :count].tolist()) if count else (),
+            )
+        )
+    return results
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        """`logits` [rows, vocab] in float32, straight from the model."""
+        raw_logprobs = None
+        if any(row.params.logprobs is not None for row in rows):
+            raw_logprobs = logits.log_softmax(dim=-1)
+        logits = apply_penalties(logits.clone(), rows)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            filtered = filter_logits(logits[index], [rows[i].params for i in random_rows])
+            drawn = draw(filtered.softmax(dim=-1), [rows[i].generator for i in random_rows])
+            tokens[index] = drawn
+        return self._package(tokens, raw_logprobs, rows)
+
+    def _package(
+        self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]
+    ) -> list[SampledToken]:
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return [SampledToken(token_id=t, logprobs=None) for t in token_list]
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        index = torch.tensor(wanted, device=tokens.device)
+        details = top_logprobs(raw_logprobs[index], tokens[index], [rows[i].params.logprobs for i in wanted])
+        by_row = dict(zip(wanted, details))
+        return [SampledToken(token_id=t, logprobs=by_row.get(i)) for i, t in enumerate(token_list)]

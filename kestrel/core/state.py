@@ -1,0 +1,142 @@
+"""Per-request state memory: specs that layers declare, and the paged KV provider.
+
+Ownership: the `PagedKVProvider` owns every page. A request owns the pages reserved for it
+from `reserve` until `release`; nobody else frees them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The paged KV state one stack of full-attention layers needs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_size: int
+
+    def bytes_per_page(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        return per_token * self.page_size
+
+    def pages_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_page()
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised when a reservation asks for more pages than are free; the planner should prevent it."""
+
+
+class PageAllocator:
+    """Pure-Python page accounting: which request holds which pages. No tensors."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Pop from the end, so low page ids are handed out first (easier to read in tests).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._owned: dict[str, list[int]] = {}
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow the request's pages so they hold `num_tokens` tokens; return all its pages."""
+        pages = self._owned.setdefault(request_id, [])
+        missing = self.pages_needed(num_tokens) - len(pages)
+        if missing > len(self._free):
+            raise OutOfPagesError(
+                f"request {request_id} needs {missing} more KV pages but only {len(self._free)} are free"
+            )
+        for _ in range(max(missing, 0)):
+            pages.append(self._free.pop())
+        return pages
+
+    def release(self, request_id: str) -> None:
+        self._free.extend(reversed(self._owned.pop(request_id, [])))
+
+    def pages_of(self, request_id: str) -> list[int]:
+        return self._owned.get(request_id, [])
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(len(pages) for pages in self._owned.values())
+
+
+class StateProvider(ABC):
+    """Owns one kind of per-request state memory and hands it to requests."""
+
+    @abstractmethod
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Make room for `num_tokens` tokens of the request; return its page (or slot) ids."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """Give back everything the request holds; a no-op for unknown requests."""
+
+    @abstractmethod
+    def free_capacity(self) -> int:
+        """Free units (pages or slots) left in the pool."""
+
+
+@dataclass(frozen=True)
+class KVLayerCache:
+    """The key and value pages of one layer: each [num_pages, page_size, num_kv_heads, head_dim]."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class PagedKVProvider(StateProvider):
+    """The paged KV pool for every full-attention layer, sized from an explicit byte budget."""
+
+    def __init__(self, spec: KVCacheSpec, budget_bytes: int, device: torch.device) -> None:
+        num_pages = spec.pages_for_budget(budget_bytes)
+        if num_pages < 1:
+            raise ValueError(
+                f"a KV cache budget of {budget_bytes} bytes holds no page of "
+                f"{spec.bytes_per_page()} bytes; raise kv_cache_memory_gb"
+            )
+        self.spec = spec
+        self.allocator = PageAllocator(num_pages, spec.page_size)
+        shape = (spec.num_layers, 2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        # Zeros, not empty: masked-out positions are multiplied by zero weights, and
+        # uninitialised memory may hold NaN, which would survive that multiplication.
+        self._storage = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self._layers = tuple(
+            KVLayerCache(key=self._storage[i, 0], value=self._storage[i, 1]) for i in range(spec.num_layers)
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.spec.page_size
+
+    def layer(self, index: int) -> KVLayerCache:
+        return self._layers[index]
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        return self.allocator.reserve(request_id, num_tokens)
+
+    def release(self, request_id: str) -> None:
+        self.allocator.release(request_id)
+
+    def free_capacity(self) -> int:
+        return self.allocator.num_free_pages

@@ -1,0 +1,256 @@
+"""LLMEngine: the request lifecycle around one planner and one runner.
+
+Each step: plan -> release preempted -> reserve pages -> execute -> append tokens,
+detokenize, check stops -> release finished requests' pages.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from kestrel.config import EngineArgs
+from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChunk, StepPlan
+from kestrel.core.runner import SequenceResult, SequenceWork
+from kestrel.core.sampling import TokenLogprobs
+from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kestrel.engine.request import Request, RequestStatus
+from kestrel.engine.setup import EngineParts, build_engine_parts
+from kestrel.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_used_pages: int
+    num_total_pages: int
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.parts: EngineParts = build_engine_parts(args)
+        self.tokenizer = self.parts.tokenizer
+        self.max_model_len = self.parts.max_model_len
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._seeds = random.Random(args.seed)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a prompt this engine cannot run; touches no state."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; it must contain at least one token")
+        vocab = self.parts.spec.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        length, limit = len(prompt_token_ids), self.max_model_len
+        if length > limit or (length == limit and params.max_tokens != 0):
+            raise ValueError(
+                f"the prompt is {length} tokens, but the maximum model length is {limit} "
+                f"and at least one token must be generated; shorten the prompt"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request; fan n > 1 out into requests")
+        self.validate_prompt(prompt_token_ids, params)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            max_tokens=max_tokens,
+            detokenizer=detokenizer,
+            prompt=prompt,
+        )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        request.finish("abort")
+        return self._retire(request)
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def step(self) -> list[RequestOutput]:
+        kv = self.parts.kv
+        plan = self.parts.planner.plan(self._queue_state(), Capacity(kv.free_capacity(), kv.spec.page_size))
+        self._apply(plan)
+        work = [self._work_for(chunk) for chunk in plan.scheduled]
+        if not work:
+            return []
+        output = self.parts.runner.execute(work)
+        return self._absorb(plan.scheduled, output.results)
+
+    def _queue_state(self) -> QueueState:
+        return QueueState(
+            waiting=tuple(self._view(r) for r in self._waiting),
+            running=tuple(self._view(r) for r in self._running),
+        )
+
+    def _view(self, request: Request) -> RequestView:
+        pages = len(self.parts.kv.allocator.pages_of(request.request_id))
+        return RequestView(request.request_id, request.num_tokens, request.num_computed_tokens, pages)
+
+    def _apply(self, plan: StepPlan) -> None:
+        for request_id in plan.preempted:  # newest first, so the oldest ends up at the front
+            request = self._requests[request_id]
+            self._running.remove(request)
+            self.parts.kv.release(request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            if request.wants_prompt_logprobs:
+                request.prompt_logprobs = [None]  # recomputed from the start, like the KV
+            self._waiting.appendleft(request)
+        for request_id in plan.admitted:
+            request = self._requests[request_id]
+            self._waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+
+    def _work_for(self, chunk: ScheduledChunk) -> SequenceWork:
+        request = self._requests[chunk.request_id]
+        start = request.num_computed_tokens
+        end = start + chunk.num_new_tokens
+        pages = self.parts.kv.reserve(request.request_id, end)
+        params = request.params
+        return SequenceWork(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids[start:end]),
+            num_cached_tokens=start,
+            page_ids=tuple(pages),
+            sample=end == request.num_tokens and request.max_tokens > 0,
+            params=params,
+            seed=request.seed,
+            prompt_token_ids=request.prompt_token_ids if params.uses_penalties else (),
+            output_token_ids=request.output_token_ids if params.uses_penalties else (),
+            prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
+        )
+
+    def _prompt_logprob_targets(self, request: Request, start: int, end: int) -> tuple[int, ...]:
+        if not request.wants_prompt_logprobs or start != len(request.prompt_logprobs) - 1:
+            return ()
+        stop = min(end, request.num_prompt_tokens - 1)
+        return tuple(request.token_ids[start + 1 : stop + 1])
+
+    def _absorb(
+        self, scheduled: tuple[ScheduledChunk, ...], results: tuple[SequenceResult, ...]
+    ) -> list[RequestOutput]:
+        for chunk in scheduled:
+            self._requests[chunk.request_id].num_computed_tokens += chunk.num_new_tokens
+        outputs = []
+        for result in results:
+            request = self._requests[result.request_id]
+            if result.prompt_logprobs:
+                request.prompt_logprobs.extend(self._position_logprobs(lp) for lp in result.prompt_logprobs)
+            if result.sampled is not None:
+                self._append_token(request, result.sampled.token_id, result.sampled.logprobs)
+            elif request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                request.finish("length")
+            if request.status is RequestStatus.FINISHED:
+                outputs.append(self._retire(request))
+            elif result.sampled is not None:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        request.token_ids.append(token_id)
+        if logprobs is not None:
+            request.logprobs.append(self._position_logprobs(logprobs))
+            request.cumulative_logprob += logprobs.logprob
+        new_text_len = 0
+        if request.detokenizer is not None:
+            new_text_len = len(request.detokenizer.push(token_id))
+            request.text = request.detokenizer.text
+        self._check_stop(request, token_id, new_text_len)
+
+    def _check_stop(self, request: Request, token_id: int, new_text_len: int) -> None:
+        params = request.params
+        if request.num_output_tokens > params.min_tokens or params.min_tokens == 0:
+            if not params.ignore_eos and token_id in self.parts.eos_token_ids:
+                return request.finish("stop")
+            if token_id in params.stop_token_ids:
+                return request.finish("stop", token_id)
+            if params.stop and new_text_len:
+                match = find_stop_string(request.text, new_text_len, params.stop)
+                if match is not None:
+                    stop, index = match
+                    cut = index + len(stop) if params.include_stop_str_in_output else index
+                    request.text = request.text[:cut]
+                    return request.finish("stop", stop)
+        if request.num_output_tokens >= request.max_tokens:
+            request.finish("length")
+
+    def _position_logprobs(self, logprobs: TokenLogprobs) -> PositionLogprobs:
+        entries = {logprobs.token_id: Logprob(logprobs.logprob, logprobs.rank, self._piece(logprobs.token_id))}
+        for rank, (token_id, value) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1):
+            if token_id not in entries:
+                entries[token_id] = Logprob(value, rank, self._piece(token_id))
+        return entries
+
+    def _piece(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    # ---- finishing -------------------------------------------------------------------------
+
+    def _retire(self, request: Request) -> RequestOutput:
+        """Free everything a finished request holds and forget it."""
+        if request in self._running:
+            self._running.remove(request)
+        if request in self._waiting:
+            self._waiting.remove(request)
+        self.parts.kv.release(request.request_id)
+        self.parts.runner.release(request.request_id)
+        del self._requests[request.request_id]
+        return self._output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=request.text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=request.logprobs,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_logprobs=request.prompt_logprobs,
+            outputs=[completion],
+            finished=request.status is RequestStatus.FINISHED,
+        )
+
+    def stats(self) -> EngineStats:
+        allocator = self.parts.kv.allocator
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_free_pages=allocator.num_free_pages,
+            num_used_pages=allocator.num_used_pages,
+            num_total_pages=allocator.num_pages,
+        )

@@ -1,0 +1,127 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kestrel.config import EngineArgs
+from kestrel.engine.engine import LLMEngine
+from kestrel.engine.outputs import RequestOutput
+from kestrel.sampling_params import SamplingParams
+
+PromptInput = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_per_prompt(len(prompts), sampling_params)
+        resolved = [self._resolve_prompt(p) for p in prompts]
+        for (_, token_ids), sp in zip(resolved, params):
+            self.engine.validate_prompt(token_ids, sp)  # all or nothing: fail before adding any
+        groups = [self._add(text, ids, sp) for (text, ids), sp in zip(resolved, params)]
+        try:
+            finished = self._run_to_completion(sum(len(g) for g in groups), use_tqdm)
+        except BaseException:
+            for child_id in itertools.chain.from_iterable(groups):
+                self.engine.abort_request(child_id)
+            raise
+        return [self._merge([finished[child] for child in group]) for group in groups]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self._require_tokenizer()
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; use generate() with a plain prompt")
+        prompts = [
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _require_tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
+        return self.engine.tokenizer
+
+    def _params_per_prompt(
+        self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {count} prompts")
+        return list(sampling_params)
+
+    def _resolve_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer().encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._resolve_prompt(prompt["prompt"])
+        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> list[str]:
+        """Add one request per requested sequence (n); return their ids."""
+        base = str(next(self._ids))
+        children = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            child_id = f"{base}-{index}"
+            self.engine.add_request(child_id, token_ids, params.replace(n=1, seed=seed), prompt=text)
+            children.append(child_id)
+        return children
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=total, desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return finished
+
+    @staticmethod
+    def _merge(children: list[RequestOutput]) -> RequestOutput:
+        first = children[0]
+        completions = []
+        for index, child in enumerate(children):
+            completion = child.outputs[0]
+            completion.index = index
+            completions.append(completion)
+        return RequestOutput(
+            request_id=first.request_id.rsplit("-", 1)[0],
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
+            finished=True,
+        )

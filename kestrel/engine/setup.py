@@ -1,0 +1,166 @@
+"""Resolve `EngineArgs` once into the engine's parts: runtime, model, KV pool, backend, runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.config import GIB, EngineArgs
+from kestrel.core.attention.base import AttentionBackend, BackendRequirements
+from kestrel.core.attention.registry import select_backend
+from kestrel.core.planner import FcfsPlanner, PlannerConfig
+from kestrel.core.recipe import ModelSpec
+from kestrel.core.runner import ModelRunner
+from kestrel.core.runtime import DeviceRuntime, create_runtime
+from kestrel.core.state import PagedKVProvider
+from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
+from kestrel.models.registry import recipe_for
+from kestrel.weights.loader import load_model
+
+logger = logging.getLogger("kestrel")
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
+CPU_DEFAULT_KV_BYTES = 1 * GIB
+CUDA_MEMORY_UTILIZATION = 0.9
+CUDA_ACTIVATION_HEADROOM = 2 * GIB
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    args: EngineArgs
+    runtime: DeviceRuntime
+    spec: ModelSpec
+    dtype: torch.dtype
+    kv: PagedKVProvider
+    runner: ModelRunner
+    planner: FcfsPlanner
+    tokenizer: Any | None
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: frozenset[int]
+
+
+def read_hf_config(args: EngineArgs) -> tuple[Any, Path | None]:
+    path = Path(args.model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(path), path
+        except (ValueError, KeyError) as error:
+            raise ValueError(f"cannot read {path / 'config.json'}: {error}") from None
+    if args.load_format == "dummy" and args.model in DUMMY_CONFIGS:
+        return dummy_hf_config(args.model), None
+    known = ", ".join(sorted(DUMMY_CONFIGS))
+    raise FileNotFoundError(
+        f"model {args.model!r} is not a directory; pass a checkpoint directory "
+        f"(or, with load_format='dummy', one of: {known})"
+    )
+
+
+def resolve_dtype(name: str, hf_config: Any, runtime: DeviceRuntime) -> torch.dtype:
+    if name == "auto":
+        if runtime.name == "cpu":
+            return torch.float32  # half-precision matmuls are slow on most CPUs
+        checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else runtime.default_dtype()
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16")
+    runtime.check_dtype(DTYPES[name])
+    return DTYPES[name]
+
+
+def kv_budget_bytes(args: EngineArgs, runtime: DeviceRuntime) -> int:
+    if args.kv_cache_memory_gb is not None:
+        return int(args.kv_cache_memory_gb * GIB)
+    memory = runtime.memory_info()
+    if runtime.name == "cpu":
+        return min(CPU_DEFAULT_KV_BYTES, memory.free_bytes // 4)
+    used = memory.total_bytes - memory.free_bytes
+    return int(memory.total_bytes * CUDA_MEMORY_UTILIZATION) - used - CUDA_ACTIVATION_HEADROOM
+
+
+def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:
+    limit = spec.max_position_embeddings
+    if args.max_model_len is not None:
+        if args.max_model_len > limit:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        if args.max_model_len > kv.capacity_tokens:
+            raise ValueError(
+                f"max_model_len {args.max_model_len} does not fit the KV cache ({kv.capacity_tokens} tokens); "
+                "raise kv_cache_memory_gb or lower max_model_len"
+            )
+        return args.max_model_len
+    if kv.capacity_tokens < limit:
+        logger.warning("max_model_len lowered to %d, the KV cache's capacity", kv.capacity_tokens)
+    return min(limit, kv.capacity_tokens)
+
+
+def load_tokenizer(args: EngineArgs, model_dir: Path | None) -> Any | None:
+    source = args.tokenizer or (str(model_dir) if model_dir else None)
+    if source is None:
+        return None  # a dummy model shape without a tokenizer: token ids in, token ids out
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        if args.load_format == "dummy":
+            return None
+        raise ValueError(f"cannot load a tokenizer from {source}: {error}") from None
+
+
+def eos_token_ids(spec: ModelSpec, tokenizer: Any | None, model_dir: Path | None) -> frozenset[int]:
+    ids = set(spec.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if model_dir is not None and (model_dir / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    runtime = create_runtime(args.device)
+    hf_config, model_dir = read_hf_config(args)
+    recipe = recipe_for(getattr(hf_config, "architectures", None))
+    spec = recipe.spec(hf_config)
+    dtype = resolve_dtype(args.dtype, hf_config, runtime)
+    backend_cls = select_backend(
+        BackendRequirements(runtime.name, dtype, spec.head_dim, spec.sliding_window is not None),
+        args.attention_backend,
+    )
+    tokenizer = load_tokenizer(args, model_dir)
+    model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed)
+    kv = PagedKVProvider(spec.kv_cache_spec(dtype, args.page_size), kv_budget_bytes(args, runtime), runtime.device)
+    max_model_len = resolve_max_model_len(args, spec, kv)
+    default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
+    max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
+    backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
+    return EngineParts(
+        args=args,
+        runtime=runtime,
+        spec=spec,
+        dtype=dtype,
+        kv=kv,
+        runner=ModelRunner(model, backend, kv, runtime, max_num_batched_tokens),
+        planner=FcfsPlanner(PlannerConfig(max_num_batched_tokens, args.max_num_seqs)),
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        eos_token_ids=eos_token_ids(spec, tokenizer, model_dir),
+    )

@@ -1,0 +1,193 @@
+"""The dense decoder shared by Llama, Mistral, Qwen2 and Qwen3: their differences are spec fields."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.core.attention.base import AttentionLayerSpec
+from kestrel.core.bindings import PackedMapping, WeightBindings
+from kestrel.core.forward import ForwardContext
+from kestrel.core.recipe import ModelSpec, RopeSpec
+from kestrel.layers.linear import Linear, MergedLinear
+from kestrel.layers.norm import RMSNorm
+from kestrel.layers.rotary import apply_rotary, rotary_cos_sin
+
+PACKED_MAPPINGS = (
+    PackedMapping("q_proj", "qkv_proj", "q"),
+    PackedMapping("k_proj", "qkv_proj", "k"),
+    PackedMapping("v_proj", "qkv_proj", "v"),
+    PackedMapping("gate_proj", "gate_up_proj", "gate"),
+    PackedMapping("up_proj", "gate_up_proj", "up"),
+)
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.layer_spec = AttentionLayerSpec(
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            scale=spec.head_dim**-0.5,
+            sliding_window=spec.sliding_window,
+        )
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        sizes = {"q": q_size, "k": kv_size, "v": kv_size}
+        self.qkv_proj = MergedLinear(spec.hidden_size, sizes, bias=spec.attention_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        spec = self.layer_spec
+        tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj.split(self.qkv_proj(hidden))
+        query = query.view(tokens, spec.num_heads, spec.head_dim)
+        key = key.view(tokens, spec.num_kv_heads, spec.head_dim)
+        value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        cos, sin = rotary
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        attended = context.attend(self.layer_index, query, key, value, spec)
+        return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        sizes = {"gate": spec.intermediate_size, "up": spec.intermediate_size}
+        self.gate_up_proj = MergedLinear(spec.hidden_size, sizes)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
+        if spec.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {spec.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[spec.hidden_act]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(hidden))
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = DecoderAttention(spec, layer_index)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = DecoderMLP(spec)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, context)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.head_dim, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, rotary, context)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def decoder_bindings(model: nn.Module, spec: ModelSpec) -> WeightBindings:
+    # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): skip it.
+    ignored = ("lm_head.weight",) if spec.tie_word_embeddings else ()
+    return WeightBindings(model, PACKED_MAPPINGS, ignored)
+
+
+def read_rope(hf_config: object) -> RopeSpec:
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    scaling = params.get("rope_type", params.get("type", "default"))
+    if scaling not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling {scaling!r}; supported: default, linear, llama3")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported by the dense decoder")
+    return RopeSpec(
+        theta=float(theta),
+        scaling=scaling,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def eos_ids(hf_config: object) -> tuple[int, ...]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def read_dense_spec(hf_config: object, architecture: str, **family: object) -> ModelSpec:
+    """The fields every dense decoder shares; `family` sets what differs (bias, qk norm, window)."""
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    fields = dict(
+        architecture=architecture,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope=read_rope(hf_config),
+        max_position_embeddings=hf_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        hidden_act=getattr(hf_config, "hidden_act", "silu"),
+        eos_token_ids=eos_ids(hf_config),
+    )
+    fields.update(family)
+    return ModelSpec(**fields)
+
+
+def reject_sliding_window_layers(hf_config: object, family: str) -> None:
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(f"{family} with use_sliding_window=true is not supported yet")
+
+
+class DenseDecoderRecipe:
+    """The recipe every dense decoder family shares; a family only says how to read its config."""
+
+    architectures: tuple[str, ...] = ()
+
+    def spec(self, hf_config: object) -> ModelSpec:
+        raise NotImplementedError
+
+    def build(self, spec: ModelSpec) -> nn.Module:
+        return DecoderForCausalLM(spec)
+
+    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+        return decoder_bindings(model, spec)

@@ -1,0 +1,15 @@
+"""MistralForCausalLM: Llama's layout with sliding-window attention."""
+
+from __future__ import annotations
+
+from kestrel.core.recipe import ModelSpec
+from kestrel.models.dense import DenseDecoderRecipe, read_dense_spec
+
+
+class MistralRecipe(DenseDecoderRecipe):
+    architectures = ("MistralForCausalLM",)
+
+    def spec(self, hf_config: object) -> ModelSpec:
+        return read_dense_spec(
+            hf_config, "MistralForCausalLM", sliding_window=getattr(hf_config, "sliding_window", None)
+        )

@@ -1,0 +1,33 @@
+"""Recipes by Hugging Face architecture name, imported only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from kestrel.core.recipe import ModelRecipe
+
+_RECIPES: dict[str, str] = {
+    "LlamaForCausalLM": "kestrel.models.llama:LlamaRecipe",
+    "MistralForCausalLM": "kestrel.models.mistral:MistralRecipe",
+    "Qwen2ForCausalLM": "kestrel.models.qwen2:Qwen2Recipe",
+    "Qwen3ForCausalLM": "kestrel.models.qwen3:Qwen3Recipe",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_RECIPES)
+
+
+def recipe_for(architectures: list[str] | None) -> ModelRecipe:
+    for name in architectures or []:
+        if name in _RECIPES:
+            module_name, class_name = _RECIPES[name].split(":")
+            return getattr(importlib.import_module(module_name), class_name)()
+    raise UnsupportedArchitectureError(
+        f"model architecture {architectures} is not supported; "
+        f"supported architectures: {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,60 @@
+"""Tiny random Hugging Face checkpoints for every supported family, written with save_pretrained."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kestrel.demo import build_tokenizer
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+)
+
+
+def _family_configs(vocab_size: int, eos: int) -> dict:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    base = dict(COMMON, vocab_size=vocab_size, eos_token_id=eos, bos_token_id=None, pad_token_id=None)
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
+    return {
+        "llama": LlamaConfig(**base, num_key_value_heads=2, rope_scaling=llama3_rope),
+        "llama-mqa-tied": LlamaConfig(**base, num_key_value_heads=1, tie_word_embeddings=True),
+        "mistral": MistralConfig(**base, num_key_value_heads=2, sliding_window=48),
+        "qwen2": Qwen2Config(**base, num_key_value_heads=2, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**base, num_key_value_heads=2, head_dim=32),
+    }
+
+
+FAMILIES = ("llama", "llama-mqa-tied", "mistral", "qwen2", "qwen3")
+
+
+@lru_cache(maxsize=1)
+def tokenizer():
+    return build_tokenizer(vocab_size=512)
+
+
+def write_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer()
+    config = _family_configs(len(tok), tok.eos_token_id)[family]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory

@@ -1,0 +1,71 @@
+"""Greedy tokens identical to Hugging Face `generate`, logprobs close, for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kestrel import LLM, SamplingParams
+from tests.checkpoints import FAMILIES
+
+PROMPT_LENGTHS = (1, 7, 33, 120, 200)
+NEW_TOKENS = 32
+
+
+def random_prompts(seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 500, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [score[0].log_softmax(-1) for score in out.scores]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_hf_with_chunked_mixed_batches(family, checkpoint_dir):
+    path = checkpoint_dir(family)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
+    prompts = random_prompts()
+    # A 64-token budget splits the longer prompts over several steps while the short
+    # ones already decode, so prefill, decode and mixed steps all occur.
+    llm = LLM(str(path), max_num_batched_tokens=64, page_size=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        expected, scores = hf_greedy(hf, prompt)
+        completion = output.outputs[0]
+        assert completion.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        for position, (token, score) in enumerate(zip(expected, scores)):
+            assert completion.logprobs[position][token].logprob == pytest.approx(float(score[token]), abs=1e-4)
+            assert completion.logprobs[position][token].rank == 1
+    stats = llm.engine.stats()
+    assert stats.num_used_pages == 0 and stats.num_free_pages == stats.num_total_pages
+
+
+def test_prompt_logprobs_match_hf(checkpoint_dir):
+    path = checkpoint_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = random_prompts(seed=5)[3]  # 120 tokens, prefilled in two chunks of 64
+    llm = LLM(str(path), max_num_batched_tokens=64, page_size=8)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = output.prompt_logprobs[position]
+        token = prompt[position]
+        assert entry[token].logprob == pytest.approx(float(reference[position - 1, token]), abs=1e-4)
+        top = reference[position - 1].topk(2).indices.tolist()
+        assert set(top) <= set(entry)
