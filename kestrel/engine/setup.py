@@ -144,8 +144,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         BackendRequirements(runtime.name, dtype, spec.head_dim, spec.sliding_window is not None),
         args.attention_backend,
     )
-    tokenizer = load_tokenizer(args, model_dir)
     model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed)
+    tokenizer = load_tokenizer(args, model_dir)
     kv = PagedKVProvider(spec.kv_cache_spec(dtype, args.page_size), kv_budget_bytes(args, runtime), runtime.device)
     max_model_len = resolve_max_model_len(args, spec, kv)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192

@@ -1,0 +1,151 @@
+"""One contract suite that every attention backend, runtime and recipe passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from kestrel.core.attention.base import AttentionLayerSpec, BackendRequirements
+from kestrel.core.attention.registry import BACKENDS, NoAttentionBackendError, select_backend
+from kestrel.core.batch import BatchLayout, SequenceChunk
+from kestrel.core.bindings import WeightBindingError
+from kestrel.core.graph import GraphPhase
+from kestrel.core.runtime import create_runtime
+from kestrel.core.state import KVCacheSpec, PagedKVProvider
+from kestrel.models.registry import UnsupportedArchitectureError, recipe_for, supported_architectures
+from kestrel.weights.loader import build_empty
+from tests.checkpoints import FAMILIES
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+# ---- runtimes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_runtime_contract(device):
+    runtime = create_runtime(device)
+    assert runtime.device.type == device
+    assert runtime.default_dtype() in runtime.supported_dtypes()
+    memory = runtime.memory_info()
+    assert 0 < memory.free_bytes <= memory.total_bytes
+    assert runtime.distributed_backend() in ("gloo", "nccl")
+    runtime.synchronize()
+
+
+def test_unknown_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        create_runtime("tpu")
+
+
+# ---- attention backends --------------------------------------------------------------------
+
+
+def dense_reference(q, k_all, v_all, cached, scale, window):
+    """Plain causal attention of `q` (positions cached..) over the full context, GQA expanded."""
+    heads, kv_heads = q.shape[1], k_all.shape[1]
+    k_all = k_all.repeat_interleave(heads // kv_heads, dim=1)
+    v_all = v_all.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k_all.double()) * scale
+    q_pos = torch.arange(cached, cached + q.shape[0])[:, None]
+    k_pos = torch.arange(k_all.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v_all.double()).float()
+
+
+BACKEND_CASES = [
+    (backend, device, page_size, heads, kv_heads, window)
+    for backend in BACKENDS
+    for device in DEVICES
+    for page_size in (4, 16)
+    for heads, kv_heads in ((4, 4), (4, 2), (4, 1))
+    for window in (None, 5)
+]
+
+
+@pytest.mark.parametrize("backend_cls, device, page_size, heads, kv_heads, window", BACKEND_CASES)
+def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, page_size, heads, kv_heads, window):
+    torch.manual_seed(0)
+    dim = 16
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
+    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), torch.device(device))
+    backend = backend_cls(torch.device(device), page_size)
+    # (cached tokens, new tokens): two decodes, a fresh prefill, a prefill after a cached prefix.
+    shapes = [(9, 1), (0, 1), (0, 7), (13, 6)]
+    contexts = {
+        i: (torch.randn(c + n, kv_heads, dim), torch.randn(c + n, kv_heads, dim)) for i, (c, n) in enumerate(shapes)
+    }
+    chunks = []
+    for index, (cached, new) in enumerate(shapes):
+        pages = tuple(kv.reserve(str(index), cached + new))
+        if cached:  # put the cached prefix in place with a prefill-only step first
+            prefix = BatchLayout((SequenceChunk(cached, 0, pages),), 0, page_size)
+            k, v = contexts[index][0][:cached], contexts[index][1][:cached]
+            q = torch.randn(cached, heads, dim)
+            backend.forward(q.to(device), k.to(device), v.to(device), kv.layer(0), backend.bind(prefix), layer)
+        chunks.append(SequenceChunk(new, cached, pages))
+    layout = BatchLayout(tuple(chunks), num_decodes=2, page_size=page_size)
+    metadata = backend.bind(layout)
+    assert metadata.phase is GraphPhase.MIXED
+    queries = [torch.randn(n, heads, dim) for _, n in shapes]
+    new_k = torch.cat([contexts[i][0][c:] for i, (c, _) in enumerate(shapes)])
+    new_v = torch.cat([contexts[i][1][c:] for i, (c, _) in enumerate(shapes)])
+    out = backend.forward(
+        torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv.layer(0), metadata, layer
+    )
+    start = 0
+    for index, (cached, new) in enumerate(shapes):
+        expected = dense_reference(queries[index], *contexts[index], cached, layer.scale, window)
+        torch.testing.assert_close(out[start : start + new].cpu(), expected, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+def test_selection_explains_every_refusal():
+    needs = BackendRequirements(device="tpu", dtype=torch.float32, head_dim=64, sliding_window=False)
+    with pytest.raises(NoAttentionBackendError, match="torch: device tpu not in"):
+        select_backend(needs)
+    with pytest.raises(NoAttentionBackendError, match="unknown attention backend 'flash'"):
+        select_backend(BackendRequirements("cpu", torch.float32, 64, False), preferred="flash")
+
+
+# ---- recipes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recipe_binds_every_checkpoint_tensor_exactly(family, checkpoint_dir):
+    path = checkpoint_dir(family)
+    config = AutoConfig.from_pretrained(path)
+    recipe = recipe_for(config.architectures)
+    spec = recipe.spec(config)
+    assert (spec.num_heads, spec.num_kv_heads) == (config.num_attention_heads, config.num_key_value_heads)
+    tensors = load_file(path / "model.safetensors")
+
+    def bind_all(state: dict[str, torch.Tensor]) -> None:
+        model = build_empty(recipe, spec, torch.device("cpu"), torch.float32)
+        bindings = recipe.bindings(model, spec)
+        for name, tensor in state.items():
+            bindings.bind(name, tensor)
+        bindings.finish()
+
+    bind_all(tensors)
+    dropped = dict(tensors)
+    del dropped["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(
+        WeightBindingError, match=r"missing from the checkpoint: model\.layers\.1\.self_attn\.qkv_proj\.weight\[k\]"
+    ):
+        bind_all(dropped)
+    extra = dict(tensors, **{"model.layers.0.mlp.extra.weight": torch.zeros(1)})
+    with pytest.raises(WeightBindingError, match=r"unexpected in the checkpoint: model\.layers\.0\.mlp\.extra\.weight"):
+        bind_all(extra)
+
+
+def test_unknown_architecture_lists_the_supported_ones():
+    with pytest.raises(UnsupportedArchitectureError) as error:
+        recipe_for(["GPT2LMHeadModel"])
+    for name in supported_architectures():
+        assert name in str(error.value)

@@ -1,0 +1,118 @@
+"""The sampler against direct computations on known logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kestrel.core.sampling import Sampler, SamplingRow, apply_penalties, draw, filter_logits
+from kestrel.sampling_params import SamplingParams
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()[None, :]
+
+
+def kept(params: SamplingParams, logits: torch.Tensor = LOGITS) -> set[int]:
+    filtered = filter_logits(logits.clone(), [params])
+    return {i for i, v in enumerate(filtered[0].tolist()) if v != float("-inf")}
+
+
+def test_top_k_keeps_the_k_most_likely():
+    assert kept(SamplingParams(top_k=2)) == {0, 1}
+    assert kept(SamplingParams(top_k=-1)) == {0, 1, 2, 3}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    assert kept(SamplingParams(top_p=0.7)) == {0, 1}  # 0.5 < 0.7 <= 0.8
+    assert kept(SamplingParams(top_p=0.5)) == {0}
+    assert kept(SamplingParams(top_p=0.81)) == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    assert kept(SamplingParams(min_p=0.5)) == {0, 1}  # threshold 0.25
+    assert kept(SamplingParams(min_p=0.2)) == {0, 1, 2}  # threshold 0.1
+
+
+def test_temperature_scales_logits():
+    filtered = filter_logits(LOGITS.clone(), [SamplingParams(temperature=0.5)])
+    assert torch.allclose(filtered, LOGITS / 0.5)
+
+
+def test_rows_are_filtered_independently():
+    filtered = filter_logits(torch.cat([LOGITS, LOGITS]), [SamplingParams(top_k=1), SamplingParams(top_p=0.81)])
+    assert torch.isinf(filtered[0]).tolist() == [False, True, True, True]
+    assert torch.isinf(filtered[1]).tolist() == [False, False, False, True]
+
+
+def row(params: SamplingParams, prompt=(), output=(), seed=0) -> SamplingRow:
+    return SamplingRow(params, torch.Generator().manual_seed(seed), prompt, output)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    out = apply_penalties(logits.clone(), [row(SamplingParams(repetition_penalty=2.0), prompt=(0,), output=(1,))])
+    assert out[0].tolist() == [1.0, -4.0, 1.0, 0.5]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 4)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits.clone(), [row(params, prompt=(3, 3), output=(1, 1, 2))])
+    assert out[0].tolist() == [0.0, -(0.5 + 2 * 0.25), -(0.5 + 0.25), 0.0]
+
+
+def test_draws_follow_the_distribution():
+    generator = torch.Generator().manual_seed(0)
+    probs = PROBS[None, :].repeat(4000, 1)
+    tokens = draw(probs, [generator] * 4000)
+    frequencies = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(frequencies, PROBS, atol=0.03)
+
+
+def test_same_seed_same_draws_whatever_else_is_in_the_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler()
+
+    def seeded_tokens(batch_logits: torch.Tensor, position: int, steps: int = 20) -> list[int]:
+        rows = [row(params, seed=100 + i) for i in range(batch_logits.shape[0])]
+        rows[position] = row(params, seed=7)
+        return [sampler.sample(batch_logits.clone(), rows)[position].token_id for _ in range(steps)]
+
+    alone = seeded_tokens(logits[:1], 0)
+    in_batch = seeded_tokens(torch.cat([logits[1:], logits[:1]]), 2)
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_greedy_and_logprobs_with_ranks():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    sampled = Sampler().sample(logits, [row(SamplingParams(temperature=0, logprobs=2))])[0]
+    expected = logits.log_softmax(-1)[0]
+    assert sampled.token_id == 1
+    assert sampled.logprobs.rank == 1
+    assert sampled.logprobs.top_token_ids == (1, 3)
+    assert sampled.logprobs.logprob == pytest.approx(float(expected[1]))
+    assert math.isclose(sum(math.exp(v) for v in expected.tolist()), 1.0, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("temperature", -1.0, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_k", -5, "top_k"),
+        ("min_p", 1.5, "min_p"),
+        ("presence_penalty", 3.0, "presence_penalty"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("max_tokens", -1, "max_tokens"),
+        ("n", 0, "n must"),
+        ("logprobs", 50, "logprobs"),
+        ("stop", [""], "stop strings"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})

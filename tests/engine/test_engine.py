@@ -1,0 +1,187 @@
+"""The engine end to end on tiny checkpoints: preemption, stops, n, seeds, chat, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.core.bindings import WeightBindingError
+from kestrel.models.registry import UnsupportedArchitectureError
+from kestrel.weights.loader import MissingWeightsError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(0, 500, (length,), generator=generator).tolist()} for _ in range(count)]
+
+
+def assert_pool_balanced(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.num_free_pages + stats.num_used_pages == stats.num_total_pages
+    assert stats.num_used_pages == 0 and stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3"))
+    batch = prompts(8, 40)
+    ample = LLM(path, page_size=8, max_num_batched_tokens=128)
+    expected = [o.outputs[0].token_ids for o in ample.generate(batch, GREEDY, use_tqdm=False)]
+    # 8 requests x 64 tokens need 64 pages; give the pool 20 (room for about two at a time).
+    spec = ample.engine.parts.kv.spec
+    tight = LLM(
+        path,
+        page_size=8,
+        max_num_batched_tokens=128,
+        max_model_len=128,
+        kv_cache_memory_gb=20 * spec.bytes_per_page() / 2**30,
+    )
+    assert tight.engine.parts.kv.num_pages == 20
+    preemptions = []
+    original = tight.engine._apply
+
+    def counting_apply(plan):
+        preemptions.extend(plan.preempted)
+        return original(plan)
+
+    tight.engine._apply = counting_apply
+    got = [o.outputs[0].token_ids for o in tight.generate(batch, GREEDY, use_tqdm=False)]
+    assert preemptions, "the pool was meant to be too small for every request at once"
+    assert got == expected
+    assert_pool_balanced(tight)
+    assert_pool_balanced(ample)
+
+
+def test_prompt_longer_than_max_model_len_is_refused_and_engine_keeps_serving(checkpoint_dir):
+    llm = LLM(str(checkpoint_dir("qwen3")), max_model_len=64)
+    with pytest.raises(ValueError, match="prompt is 80 tokens, but the maximum model length is 64"):
+        llm.generate(prompts(1, 10) + prompts(1, 80), GREEDY, use_tqdm=False)
+    assert_pool_balanced(llm)  # nothing from the failed call was admitted
+    outputs = llm.generate(
+        prompts(2, 10), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [54, 54]  # capped at max_model_len
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt_token_ids": []}, "prompt is empty"),
+        ("", "prompt is empty"),
+        ({"prompt_token_ids": [1, 10**6]}, "out of range"),
+        ({"text": "hi"}, "a prompt is a string"),
+    ],
+)
+def test_bad_prompts_get_clear_errors(qwen3_llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        qwen3_llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert len(qwen3_llm.generate("still serving", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def test_missing_weights_unknown_architecture_and_missing_files(checkpoint_dir, tmp_path):
+    source = checkpoint_dir("llama")
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["num_hidden_layers"] = 3  # the checkpoint holds two layers
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightBindingError, match=r"missing from the checkpoint: model\.layers\.2\."):
+        LLM(str(broken))
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
+        LLM(str(broken))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(source / "config.json", empty / "config.json")
+    with pytest.raises(MissingWeightsError, match="no \\*.safetensors weights"):
+        LLM(str(empty))
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        LLM(str(tmp_path / "nowhere"))
+
+
+def test_stop_strings_are_cut_from_the_text(qwen3_llm):
+    free = qwen3_llm.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = free.text[5:8]
+    assert len(stop) == 3
+    stopped = qwen3_llm.generate("The quick brown fox", GREEDY.replace(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stop not in stopped.text
+    kept = qwen3_llm.generate(
+        "The quick brown fox", GREEDY.replace(stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(stop) + 3]
+
+
+def test_stop_token_ids_eos_and_max_tokens(qwen3_llm):
+    free = qwen3_llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
+    target = free.token_ids[3]
+    first = free.token_ids.index(target)
+    stopped = qwen3_llm.generate("Hello", GREEDY.replace(stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", target)
+    short = qwen3_llm.generate("Hello", GREEDY.replace(max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert short.token_ids == free.token_ids[:5] and short.finish_reason == "length"
+    # An eos id that greedy decoding is known to hit stops generation unless ignore_eos.
+    engine = qwen3_llm.engine
+    original = engine.parts.eos_token_ids
+    object.__setattr__(engine.parts, "eos_token_ids", frozenset({target}))
+    try:
+        eos = qwen3_llm.generate("Hello", GREEDY.replace(ignore_eos=False), use_tqdm=False)[0].outputs[0]
+    finally:
+        object.__setattr__(engine.parts, "eos_token_ids", original)
+    assert eos.token_ids == free.token_ids[: first + 1] and eos.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(qwen3_llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = qwen3_llm.generate("Once upon a time", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = ["Hi", "Once upon a time", "The quick brown fox jumps"]
+    mixed = qwen3_llm.generate(batch, [others, seeded, others], use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == mixed
+    other_seed = qwen3_llm.generate("Once upon a time", seeded.replace(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_outputs_per_prompt_in_input_order(qwen3_llm):
+    outputs = qwen3_llm.generate(
+        ["first prompt", "second"], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5), use_tqdm=False
+    )
+    assert [o.prompt for o in outputs] == ["first prompt", "second"]
+    assert [c.index for c in outputs[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in outputs[0].outputs}) > 1
+
+
+def test_chat_applies_the_template(checkpoint_dir):
+    from kestrel.demo import make_demo_model
+
+    demo = make_demo_model(checkpoint_dir("qwen3").parent / "demo")
+    llm = LLM(str(demo))
+    output = llm.chat([{"role": "user", "content": "Hi there"}], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert output.prompt.startswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert output.prompt_token_ids == llm.get_tokenizer().encode(output.prompt)
+
+
+def test_incremental_text_equals_full_decode(qwen3_llm):
+    output = qwen3_llm.generate("Café 東京 🙂", SamplingParams(temperature=1.0, max_tokens=40, seed=3), use_tqdm=False)
+    completion = output[0].outputs[0]
+    tokenizer = qwen3_llm.get_tokenizer()
+    assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_abort_frees_pages(qwen3_llm):
+    engine = qwen3_llm.engine
+    engine.add_request("to-abort", list(range(1, 30)), GREEDY)
+    engine.step()
+    assert engine.stats().num_used_pages > 0
+    output = engine.abort_request("to-abort")
+    assert output.outputs[0].finish_reason == "abort"
+    assert_pool_balanced(qwen3_llm)
