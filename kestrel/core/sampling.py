@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kestrel.sampling_params import SamplingParams
 
@@ -69,8 +70,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p; filtered-out entries become -inf."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    logits = logits / temperature[:, None]
+    if any(p.temperature != 1.0 for p in params):
+        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+        logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if any(p.top_k for p in params):
         top_k = torch.tensor([p.top_k or vocab for p in params], device=device).clamp(max=vocab)
@@ -93,12 +95,31 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
+CDF_BLOCK = 256
+
+
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """Sample one token per row: argmax(p / E) with E ~ Exp(1) is a draw from p."""
-    noise = torch.empty_like(probs)
-    for index, generator in enumerate(generators):
-        noise[index].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    """Sample one token per row by inverting the row's CDF at one uniform draw from its generator.
+
+    One random number per row (not one per vocabulary entry), and a two-level CDF (block
+    sums, then a cumulative sum inside the chosen block only) keep this cheap on the CPU.
+    """
+    rows, vocab = probs.shape
+    uniforms = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    padding = (-vocab) % CDF_BLOCK
+    blocks = (F.pad(probs, (0, padding)) if padding else probs).view(rows, -1, CDF_BLOCK)
+    block_mass = blocks.sum(dim=-1)
+    block_cdf = block_mass.cumsum(dim=-1)
+    targets = (uniforms * block_cdf[:, -1])[:, None]
+    # right=True: the first entry whose CDF exceeds the target, so zero-mass entries never win.
+    block = torch.searchsorted(block_cdf, targets, right=True).clamp(max=blocks.shape[1] - 1)
+    mass_before = block_cdf.gather(1, block) - block_mass.gather(1, block)
+    within = blocks[torch.arange(rows, device=probs.device), block[:, 0]]
+    offset = torch.searchsorted(within.cumsum(dim=-1) + mass_before, targets, right=True)[:, 0]
+    # Rounding can push the target past the block's last entry: take its last non-zero one.
+    positions = torch.arange(CDF_BLOCK, device=probs.device)
+    last_nonzero = torch.where(within > 0, positions, -1).max(dim=-1).values
+    return block[:, 0] * CDF_BLOCK + torch.minimum(offset, last_nonzero)
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
@@ -127,15 +148,23 @@ class Sampler:
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = logits.log_softmax(dim=-1)
-        logits = apply_penalties(logits.clone(), rows)
-        tokens = logits.argmax(dim=-1)
+        if any(row.params.uses_penalties for row in rows):
+            logits = apply_penalties(logits.clone(), rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if random_rows:
+        if len(random_rows) == len(rows):
+            tokens = self._draw(logits, rows)
+        elif not random_rows:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = logits.argmax(dim=-1)
             index = torch.tensor(random_rows, device=logits.device)
-            filtered = filter_logits(logits[index], [rows[i].params for i in random_rows])
-            drawn = draw(filtered.softmax(dim=-1), [rows[i].generator for i in random_rows])
-            tokens[index] = drawn
+            tokens[index] = self._draw(logits[index], [rows[i] for i in random_rows])
         return self._package(tokens, raw_logprobs, rows)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        filtered = filter_logits(logits, [row.params for row in rows])
+        return draw(filtered.softmax(dim=-1), [row.generator for row in rows])
 
     def _package(
         self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]

@@ -95,7 +95,11 @@ class StateProvider(ABC):
 
 @dataclass(frozen=True)
 class KVLayerCache:
-    """The key and value pages of one layer: each [num_pages, page_size, num_kv_heads, head_dim]."""
+    """The key and value pages of one layer: each [num_kv_heads, num_pages, page_size, head_dim].
+
+    Head-major, so gathering a sequence's pages yields one contiguous [tokens, head_dim]
+    block per head: the layout attention kernels read fastest.
+    """
 
     key: torch.Tensor
     value: torch.Tensor
@@ -113,7 +117,7 @@ class PagedKVProvider(StateProvider):
             )
         self.spec = spec
         self.allocator = PageAllocator(num_pages, spec.page_size)
-        shape = (spec.num_layers, 2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, 2, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
         # Zeros, not empty: masked-out positions are multiplied by zero weights, and
         # uninitialised memory may hold NaN, which would survive that multiplication.
         self._storage = torch.zeros(shape, dtype=spec.dtype, device=device)

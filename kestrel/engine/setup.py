@@ -136,6 +136,7 @@ def eos_token_ids(spec: ModelSpec, tokenizer: Any | None, model_dir: Path | None
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     runtime = create_runtime(args.device)
+    runtime.configure_process()
     hf_config, model_dir = read_hf_config(args)
     recipe = recipe_for(getattr(hf_config, "architectures", None))
     spec = recipe.spec(hf_config)

@@ -8,7 +8,7 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-60m": dict(
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",
-        vocab_size=32000,
+        vocab_size=64000,
         hidden_size=512,
         intermediate_size=1536,
         num_hidden_layers=8,

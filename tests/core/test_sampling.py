@@ -116,3 +116,14 @@ def test_greedy_and_logprobs_with_ranks():
 def test_invalid_sampling_params_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_draws_over_a_large_vocabulary_never_pick_filtered_tokens():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 1000, generator=generator)
+    filtered = filter_logits(logits, [SamplingParams(top_k=5)] * 8)
+    allowed = [set(torch.isfinite(row).nonzero()[:, 0].tolist()) for row in filtered]
+    probs = filtered.softmax(-1)
+    for _ in range(200):
+        tokens = draw(probs, [generator] * 8).tolist()
+        assert all(token in allowed[i] for i, token in enumerate(tokens))

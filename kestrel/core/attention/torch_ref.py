@@ -88,9 +88,10 @@ class TorchReferenceBackend(AttentionBackend):
 
 
 def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """key, value [tokens, kv_heads, dim] into their slots of the head-major pages."""
     heads, dim = key.shape[1], key.shape[2]
-    cache.key.view(-1, heads, dim).index_copy_(0, slots, key.to(cache.key.dtype))
-    cache.value.view(-1, heads, dim).index_copy_(0, slots, value.to(cache.value.dtype))
+    cache.key.view(heads, -1, dim).index_copy_(1, slots, key.transpose(0, 1).to(cache.key.dtype))
+    cache.value.view(heads, -1, dim).index_copy_(1, slots, value.transpose(0, 1).to(cache.value.dtype))
 
 
 def _slot_mapping(layout: BatchLayout) -> list[int]:
@@ -103,10 +104,10 @@ def _slot_mapping(layout: BatchLayout) -> list[int]:
 
 
 def _gather(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-    """[num_pages, page, heads, dim] gathered by [rows, width] -> [rows, heads, width*page, dim]."""
-    gathered = pages[page_table]
-    rows, width, page, heads, dim = gathered.shape
-    return gathered.view(rows, width * page, heads, dim).transpose(1, 2)
+    """[heads, num_pages, page, dim] gathered by [rows, width] -> [rows, heads, width*page, dim]."""
+    gathered = pages[:, page_table]
+    heads, rows, width, page, dim = gathered.shape
+    return gathered.view(heads, rows, width * page, dim).transpose(0, 1)
 
 
 def _decode_attention(
@@ -119,15 +120,14 @@ def _decode_attention(
     mask = key_positions[None, :] < seq_lens
     if layer.sliding_window is not None:
         mask &= key_positions[None, :] >= seq_lens - layer.sliding_window
+    # The query heads sharing a KV head become that head's "query rows": one plain
+    # attention per KV head, with no copy of K and V per query head.
+    rows, group = query.shape[0], layer.num_heads // layer.num_kv_heads
+    grouped = query.reshape(rows, layer.num_kv_heads, group, layer.head_dim)
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :].to(keys.dtype),
-        keys,
-        values,
-        attn_mask=mask[:, None, None, :],
-        scale=layer.scale,
-        enable_gqa=layer.num_heads != layer.num_kv_heads,
+        grouped.to(keys.dtype), keys, values, attn_mask=mask[:, None, None, :], scale=layer.scale
     )
-    return out[:, :, 0, :].to(query.dtype)
+    return out.reshape(rows, layer.num_heads, layer.head_dim).to(query.dtype)
 
 
 def _prefill_attention(

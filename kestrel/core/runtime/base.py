@@ -46,6 +46,10 @@ class DeviceRuntime(ABC):
     def distributed_backend(self) -> str:
         """The torch.distributed backend for collectives between ranks on this device."""
 
+    def configure_process(self) -> None:
+        """Process-wide settings this device wants before the first step; none by default."""
+        return None
+
     def check_dtype(self, dtype: torch.dtype) -> None:
         if dtype not in self.supported_dtypes():
             names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes())

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 
 import torch
 
 from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo
+
+
+# glibc mallopt parameters.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+KEEP_FREED_BYTES = 1 << 30
 
 
 class CpuRuntime(DeviceRuntime):
@@ -23,6 +31,19 @@ class CpuRuntime(DeviceRuntime):
     def default_dtype(self) -> torch.dtype:
         # Half precision matmuls are slow or missing on many CPUs; float32 is the safe default.
         return torch.float32
+
+    def configure_process(self) -> None:
+        # Softmax over a vocabulary produces subnormal floats, which are many times slower
+        # on x86; flushing them to zero changes nothing visible in logprobs.
+        torch.set_flush_denormal(True)
+        # Per-step tensors (logits, gathered KV) are tens of MB; by default glibc hands such
+        # blocks back to the OS on free, and every step then page-faults them in again.
+        libc_name = ctypes.util.find_library("c")
+        if libc_name and "libc.so" in libc_name:
+            libc = ctypes.CDLL(libc_name)
+            if hasattr(libc, "mallopt"):
+                libc.mallopt(M_MMAP_THRESHOLD, KEEP_FREED_BYTES)
+                libc.mallopt(M_TRIM_THRESHOLD, 2 * KEEP_FREED_BYTES)
 
     def memory_info(self) -> MemoryInfo:
         page_size = os.sysconf("SC_PAGE_SIZE")
