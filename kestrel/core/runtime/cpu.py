@@ -10,7 +10,6 @@ import torch
 
 from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo
 
-
 # glibc mallopt parameters.
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
