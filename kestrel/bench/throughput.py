@@ -58,6 +58,9 @@ def time_hf(model, prompts: list[list[int]], output_len: int) -> Measurement:
             inputs,
             attention_mask=torch.ones_like(inputs),
             do_sample=True,
+            temperature=1.0,
+            top_k=0,  # the same plain sampling Kestrel runs (HF defaults to top_k=50)
+            top_p=1.0,
             max_new_tokens=output_len,
             min_new_tokens=output_len,
             pad_token_id=0,

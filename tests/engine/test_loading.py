@@ -1,0 +1,52 @@
+"""Checkpoint formats: sharded safetensors, dtype casts, dummy weights of a named shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kestrel import LLM, SamplingParams
+from tests.checkpoints import tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+PROMPT = {"prompt_token_ids": list(range(3, 40))}
+
+
+def test_sharded_checkpoint_gives_the_same_tokens(checkpoint_dir, tmp_path):
+    source = checkpoint_dir("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    tokenizer().save_pretrained(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    sharded = LLM(str(tmp_path)).generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    single = LLM(str(source)).generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert sharded == single
+
+
+def test_bfloat16_cast_stays_close_to_float32(checkpoint_dir):
+    path = str(checkpoint_dir("llama"))
+    full = LLM(path, dtype="float32").generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0]
+    half = LLM(path, dtype="bfloat16").generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert half.token_ids[0] == full.token_ids[0]
+    first = full.token_ids[0]
+    assert half.logprobs[0][first].logprob == pytest.approx(full.logprobs[0][first].logprob, abs=0.1)
+
+
+def test_dummy_weights_of_a_named_shape_need_no_checkpoint():
+    llm = LLM("qwen3-60m", load_format="dummy", max_model_len=256, kv_cache_memory_gb=0.05)
+    spec = llm.engine.parts.spec
+    assert (spec.hidden_size, spec.num_layers, spec.vocab_size) == (512, 8, 64000)
+    assert llm.get_tokenizer() is None
+    output = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 4 and output.outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer", use_tqdm=False)
+
+
+def test_unsupported_dtype_is_a_clear_error(checkpoint_dir):
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        LLM(str(checkpoint_dir("llama")), dtype="float8")
