@@ -54,6 +54,16 @@ def run_make_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kestrel.config import EngineArgs
+    from kestrel.server.serve import serve
+
+    asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kestrel.bench.throughput import run_throughput_benchmark
 
@@ -69,6 +79,13 @@ def add_commands(commands: Any) -> None:
     generate.add_argument("--sampling-seed", type=int, default=None)
     add_engine_options(generate)
     generate.set_defaults(handler=run_generate)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from kestrel.server.serve import add_serve_options
+
+    add_serve_options(serve)
+    add_engine_options(serve)
+    serve.set_defaults(handler=run_serve)
 
     demo = commands.add_parser("make-demo-model", help="write a small random Qwen3 checkpoint")
     demo.add_argument("output_dir")

@@ -7,6 +7,7 @@ detokenize, check stops -> release finished requests' pages.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChu
 from kestrel.core.runner import SequenceResult, SequenceWork
 from kestrel.core.sampling import TokenLogprobs
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.engine.setup import EngineParts, build_engine_parts
 from kestrel.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             detokenizer=detokenizer,
             prompt=prompt,
+            arrival_time=time.monotonic(),
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -128,6 +130,8 @@ class LLMEngine:
             request = self._requests[request_id]
             self._waiting.remove(request)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self._running.append(request)
 
     def _work_for(self, chunk: ScheduledChunk) -> SequenceWork:
@@ -243,6 +247,7 @@ class LLMEngine:
             prompt_logprobs=request.prompt_logprobs,
             outputs=[completion],
             finished=request.status is RequestStatus.FINISHED,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
         )
 
     def stats(self) -> EngineStats:

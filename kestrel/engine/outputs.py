@@ -30,6 +30,12 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() clock of the engine's process
+    first_scheduled_time: float | None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -38,3 +44,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None

@@ -34,6 +34,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
+    arrival_time: float = 0.0  # time.monotonic() at add_request
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

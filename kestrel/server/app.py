@@ -1,0 +1,417 @@
+"""The OpenAI-compatible HTTP front end: routes, auth, errors. The model runs in the core process."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import kestrel
+from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
+from kestrel.server.formatting import chat_logprobs, legacy_logprobs, usage
+from kestrel.server.generation import (
+    ChoiceResult,
+    Generation,
+    PreparedPrompt,
+    resolve_max_tokens,
+    run_until_disconnect,
+    validate_token_ids,
+)
+from kestrel.server.metrics import ServerMetrics
+from kestrel.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+    bad_request,
+)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    model_path: str
+    api_key: str | None
+    max_queue_len: int
+    max_num_seqs: int
+
+
+class ServerState:
+    """What the routes share: the engine client, tokenizer, metrics and drain flag."""
+
+    def __init__(self, settings: ServerSettings, client: EngineClient, tokenizer: Any) -> None:
+        self.settings = settings
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = ServerMetrics(settings.served_model_name)
+        self.draining = False
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def check_capacity(self, new_requests: int) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", "ServiceUnavailableError")
+        if not self.client.alive:
+            raise ApiError(503, f"the engine is not running: {self.client.dead_reason}", "ServiceUnavailableError")
+        limit = self.settings.max_num_seqs + self.settings.max_queue_len
+        if self.client.num_in_flight + new_requests > limit:
+            raise ApiError(
+                503,
+                f"the server is overloaded: more than {limit} requests in flight; retry later",
+                "ServiceUnavailableError",
+            )
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Kestrel", version=kestrel.__version__)
+    app.state.kestrel = state
+    _install_error_handlers(app)
+
+    async def require_key(request: Request) -> None:
+        key = state.settings.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            raise ApiError(401, "invalid or missing API key", "AuthenticationError")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.client.alive:
+            return JSONResponse({"status": "unhealthy", "reason": state.client.dead_reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kestrel.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(state.client.stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def models() -> dict:
+        card = {
+            "id": state.settings.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kestrel",
+            "root": state.settings.model_path,
+            "max_model_len": state.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        if body.messages is not None:
+            tokens = _chat_prompt(state, body.messages, True).token_ids
+        elif body.prompt is not None:
+            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise bad_request("give either prompt or messages", "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        validate_token_ids(body.tokens or [0], state.client.info.vocab_size)
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _completions(state, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _chat(state, body, request)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        location = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in error.errors())
+        return JSONResponse(bad_request(message or "invalid request", location).body(), status_code=400)
+
+
+# ---- completions ----------------------------------------------------------------------------
+
+
+def _completion_prompts(state: ServerState, prompt: Any) -> list[PreparedPrompt]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt")
+    prepared = []
+    for item in prompts:
+        if isinstance(item, str):
+            prepared.append(PreparedPrompt(state.tokenizer.encode(item), item))
+        else:
+            prepared.append(PreparedPrompt(list(item), None))
+        validate_token_ids(prepared[-1].token_ids, state.client.info.vocab_size)
+    return prepared
+
+
+def _generation(state: ServerState, body: SamplingFields, prompts: list[PreparedPrompt], params_for: Any) -> Generation:
+    params = None
+    for prompt in prompts:
+        params = params_for(len(prompt.token_ids))  # validates each prompt against the context window
+    state.check_capacity(len(prompts) * body.n)
+    return Generation(state.client, state.metrics, prompts, params, body.n)
+
+
+def _sampling(body: SamplingFields, requested_max: int | None, state: ServerState, **logprob_args: Any) -> Any:
+    def params_for(prompt_len: int):
+        max_tokens = resolve_max_tokens(requested_max, prompt_len, state.max_model_len)
+        try:
+            return body.sampling_params(max_tokens, **logprob_args)
+        except ValueError as error:
+            raise bad_request(str(error)) from None
+
+    return params_for
+
+
+async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
+    state.check_model(body.model)
+    if body.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    prompts = _completion_prompts(state, body.prompt)
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens must be at least 1 unless echo is set", "max_tokens")
+    params_for = _sampling(body, body.max_tokens, state, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    generation = _generation(state, body, prompts, params_for)
+    if body.stream:
+        return _sse(_completion_chunks(state, body, generation))
+    results = await _collect(generation, request)
+    if results is None:
+        return Response(status_code=499)
+    choices = [_completion_choice(state, body, r) for r in results]
+    return JSONResponse(
+        {
+            "id": f"cmpl-{generation.request_id}",
+            "object": "text_completion",
+            "created": generation.created,
+            "model": state.settings.served_model_name,
+            "choices": choices,
+            "usage": usage(sum(len(p.token_ids) for p in prompts), sum(len(r.token_ids) for r in results)),
+        }
+    )
+
+
+def _completion_choice(state: ServerState, body: CompletionRequest, result: ChoiceResult) -> dict:
+    prompt = result.prompt
+    prompt_text = prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
+    text = (prompt_text + result.text) if body.echo else result.text
+    logprobs = None
+    if body.logprobs is not None:
+        token_ids, entries = result.token_ids, list(result.logprobs)
+        if body.echo:
+            token_ids = prompt.token_ids + token_ids
+            entries = list(result.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
+        logprobs = legacy_logprobs(token_ids, entries, body.logprobs, state.piece)
+    return {
+        "index": result.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
+    }
+
+
+async def _completion_chunks(
+    state: ServerState, body: CompletionRequest, generation: Generation
+) -> AsyncIterator[dict]:
+    completion_tokens = 0
+    offsets = [0] * generation.num_choices
+    echoed = [not body.echo] * generation.num_choices
+    async for index, delta in generation.stream():
+        completion_tokens += len(delta.new_token_ids)
+        prompt = generation.prompts[index // generation.n]
+        text = delta.new_text
+        if not echoed[index]:
+            text = (prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)) + text
+            echoed[index] = True
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = legacy_logprobs(
+                delta.new_token_ids, delta.new_logprobs or [], body.logprobs, state.piece, offsets[index]
+            )
+            offsets[index] += len(delta.new_text)
+        yield _chunk(
+            state,
+            generation,
+            "text_completion",
+            {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            },
+        )
+    if body.stream_options and body.stream_options.include_usage:
+        prompt_tokens = sum(len(p.token_ids) for p in generation.prompts)
+        yield _chunk(state, generation, "text_completion", None, usage(prompt_tokens, completion_tokens))
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+
+def _chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool) -> PreparedPrompt:
+    if state.tokenizer.chat_template is None:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = state.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as error:  # template errors are the request's fault (e.g. roles out of order)
+        raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
+    token_ids = state.tokenizer.encode(text, add_special_tokens=False)
+    validate_token_ids(token_ids, state.client.info.vocab_size)
+    return PreparedPrompt(token_ids, text)
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
+    state.check_model(body.model)
+    prompt = _chat_prompt(state, body.messages, body.add_generation_prompt)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if requested == 0:
+        raise bad_request("max_tokens must be at least 1", "max_tokens")
+    params_for = _sampling(body, requested, state, logprobs=logprobs, prompt_logprobs=None)
+    generation = _generation(state, body, [prompt], params_for)
+    if body.stream:
+        return _sse(_chat_chunks(state, body, generation))
+    results = await _collect(generation, request)
+    if results is None:
+        return Response(status_code=499)
+    choices = [
+        {
+            "index": r.index,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": chat_logprobs(r.token_ids, r.logprobs, logprobs, state.piece) if body.logprobs else None,
+            "finish_reason": r.finish_reason,
+            "stop_reason": r.stop_reason,
+        }
+        for r in results
+    ]
+    return JSONResponse(
+        {
+            "id": f"chatcmpl-{generation.request_id}",
+            "object": "chat.completion",
+            "created": generation.created,
+            "model": state.settings.served_model_name,
+            "choices": choices,
+            "usage": usage(len(prompt.token_ids), sum(len(r.token_ids) for r in results)),
+        }
+    )
+
+
+async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[dict]:
+    for index in range(generation.num_choices):
+        yield _chunk(
+            state,
+            generation,
+            "chat.completion.chunk",
+            {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            },
+        )
+    completion_tokens = 0
+    count = body.top_logprobs or 0
+    async for index, delta in generation.stream():
+        completion_tokens += len(delta.new_token_ids)
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], count, state.piece)
+        content = {"content": delta.new_text} if delta.new_text or delta.finish_reason is None else {}
+        yield _chunk(
+            state,
+            generation,
+            "chat.completion.chunk",
+            {
+                "index": index,
+                "delta": content,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            },
+        )
+    if body.stream_options and body.stream_options.include_usage:
+        prompt_tokens = len(generation.prompts[0].token_ids)
+        yield _chunk(state, generation, "chat.completion.chunk", None, usage(prompt_tokens, completion_tokens))
+
+
+# ---- shared ---------------------------------------------------------------------------------
+
+
+def _chunk(
+    state: ServerState, generation: Generation, kind: str, choice: dict | None, usage_: dict | None = None
+) -> dict:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    body = {
+        "id": f"{prefix}-{generation.request_id}",
+        "object": kind,
+        "created": generation.created,
+        "model": state.settings.served_model_name,
+        "choices": [] if choice is None else [choice],
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+async def _collect(generation: Generation, request: Request) -> list[ChoiceResult] | None:
+    try:
+        return await run_until_disconnect(generation.collect(), request.is_disconnected)
+    except RequestRejected as error:
+        raise bad_request(str(error)) from None
+    except EngineDeadError as error:
+        raise ApiError(503, str(error), "ServiceUnavailableError") from None
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except RequestRejected as error:
+            yield f"data: {json.dumps(bad_request(str(error)).body())}\n\n"
+        except EngineDeadError as error:
+            yield f"data: {json.dumps(ApiError(503, str(error), 'ServiceUnavailableError').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,165 @@
+"""The front end's handle on the engine-core process: start it, stream deltas, abort, watch it."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kestrel.config import EngineArgs
+from kestrel.sampling_params import SamplingParams
+from kestrel.server.core_process import run_engine_core
+from kestrel.server.messages import (
+    AbortRequest,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    CoreStats,
+    RequestDelta,
+    RequestFailed,
+    Shutdown,
+    StepResult,
+)
+
+STARTUP_TIMEOUT_SECONDS = 600
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestRejected(ValueError):
+    """The core refused the request (the message says why)."""
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class EngineClient:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.info: CoreReady | None = None
+        self.stats = CoreStats(0, 0, 0, 0)
+        self.dead_reason: str | None = None
+        self._pending: dict[str, _Pending] = {}
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=run_engine_core, args=(args, child_conn), name="kestrel-core")
+        self._child_conn = child_conn
+
+    async def start(self) -> CoreReady:
+        self._process.start()
+        self._child_conn.close()
+        loop = asyncio.get_running_loop()
+        ready = await loop.run_in_executor(None, self._wait_ready)
+        loop.add_reader(self._conn.fileno(), self._on_readable)
+        loop.add_reader(self._process.sentinel, self._on_core_exit)
+        self.info = ready
+        self.stats = CoreStats(0, 0, 0, ready.num_total_pages)
+        return ready
+
+    def _wait_ready(self) -> CoreReady:
+        if not self._conn.poll(STARTUP_TIMEOUT_SECONDS):
+            raise EngineDeadError("the engine core did not start in time")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            raise EngineDeadError(f"the engine core exited during start-up (code {self._process.exitcode})") from None
+        if isinstance(message, CoreFailed):
+            raise EngineDeadError(f"the engine core failed to start: {message.message}")
+        return message
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            while self._conn.poll():
+                self._dispatch(self._conn.recv())
+        except (EOFError, OSError):
+            self._on_core_exit()
+
+    def _dispatch(self, message: object) -> None:
+        if not isinstance(message, StepResult):
+            return
+        self.stats = message.stats
+        for item in message.deltas:
+            pending = self._pending.get(item.request_id)
+            if pending is not None:
+                pending.queue.put_nowait(item)
+
+    def _on_core_exit(self) -> None:
+        if self.dead_reason is not None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._process.sentinel)
+        loop.remove_reader(self._conn.fileno())
+        self._process.join(timeout=1)
+        self.dead_reason = f"the engine core process exited unexpectedly (exit code {self._process.exitcode})"
+        for pending in self._pending.values():
+            pending.queue.put_nowait(EngineDeadError(self.dead_reason))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        """Deltas for one request until it finishes; leaving early aborts it in the core."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        pending = _Pending(asyncio.Queue())
+        self._pending[request_id] = pending
+        try:
+            self._conn.send(AddRequest(request_id, prompt_token_ids, params))
+            while True:
+                item = await pending.queue.get()
+                if isinstance(item, EngineDeadError):
+                    raise item
+                if isinstance(item, RequestFailed):
+                    pending.finished = True
+                    raise RequestRejected(item.message)
+                yield item
+                if item.finish_reason is not None:
+                    pending.finished = True
+                    return
+        finally:
+            del self._pending[request_id]
+            if not pending.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self.dead_reason is None:
+            try:
+                self._conn.send(AbortRequest(request_id))
+            except OSError:
+                pass
+
+    def abort_all(self) -> None:
+        for request_id in list(self._pending):
+            self.abort(request_id)
+
+    async def shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.dead_reason is None:
+            loop.remove_reader(self._conn.fileno())
+            loop.remove_reader(self._process.sentinel)
+            self.dead_reason = "the server is shutting down"
+            try:
+                self._conn.send(Shutdown())
+            except OSError:
+                pass
+        await loop.run_in_executor(None, self._process.join, 30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()

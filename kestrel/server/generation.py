@@ -1,0 +1,149 @@
+"""Turning one HTTP request into engine requests: prompts, limits, and the fan-in of choices."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kestrel.engine.outputs import PositionLogprobs
+from kestrel.sampling_params import SamplingParams
+from kestrel.server.engine_client import EngineClient
+from kestrel.server.messages import RequestDelta
+from kestrel.server.metrics import RequestTimer, ServerMetrics
+from kestrel.server.protocol import bad_request
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    text: str | None
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, accumulated from its deltas."""
+
+    index: int
+    prompt: PreparedPrompt
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def absorb(self, delta: RequestDelta) -> None:
+        self.text += delta.new_text
+        self.token_ids += delta.new_token_ids
+        self.logprobs += delta.new_logprobs or []
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """OpenAI's rule: the prompt plus the completion must fit the context window."""
+    if requested is not None and requested < 0:
+        raise bad_request(f"max_tokens must be non-negative, got {requested}", "max_tokens")
+    if prompt_len > max_model_len or (requested is None and prompt_len >= max_model_len):
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input.",
+            "messages",
+        )
+    max_tokens = max_model_len - prompt_len if requested is None else requested
+    if prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+            "Please reduce the length of the prompt or completion.",
+            "max_tokens",
+        )
+    return max_tokens
+
+
+def validate_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    if not token_ids:
+        raise bad_request("the prompt is empty; it must contain at least one token", "prompt")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
+
+
+@dataclass
+class Generation:
+    """The engine requests behind one HTTP request, one per choice (prompt x n)."""
+
+    client: EngineClient
+    metrics: ServerMetrics
+    prompts: list[PreparedPrompt]
+    params: SamplingParams
+    n: int
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choice_params(self, index: int) -> SamplingParams:
+        copy = index % self.n
+        return self.params if self.params.seed is None else self.params.replace(seed=self.params.seed + copy)
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(choice index, delta) as they arrive from every choice; leaving early aborts all."""
+        merged: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(index, merged)) for index in range(self.num_choices)]
+        try:
+            for _ in range(self.num_choices):
+                while True:
+                    item = await merged.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        break  # one choice finished
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(self, index: int, merged: asyncio.Queue) -> None:
+        prompt = self.prompts[index // self.n]
+        timer = RequestTimer(self.metrics, time.monotonic(), len(prompt.token_ids))
+        engine_id = f"{self.request_id}-{index}"
+        try:
+            async for delta in self.client.generate(engine_id, prompt.token_ids, self.choice_params(index)):
+                now = time.monotonic()
+                timer.tokens(now, len(delta.new_token_ids), delta.queue_seconds)
+                if delta.finish_reason is not None:
+                    timer.finished(now, delta.finish_reason)
+                merged.put_nowait((index, delta))
+            merged.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # handed to the consumer, which decides the HTTP answer
+            merged.put_nowait(error)
+
+    async def collect(self) -> list[ChoiceResult]:
+        results = [ChoiceResult(i, self.prompts[i // self.n]) for i in range(self.num_choices)]
+        async for index, delta in self.stream():
+            results[index].absorb(delta)
+        return results
+
+
+async def run_until_disconnect(work: Any, is_disconnected: Any, poll_seconds: float = 0.2) -> Any:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll_seconds)
+        if done:
+            return task.result()
+        if await is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None

@@ -1,0 +1,81 @@
+"""The small typed messages between the HTTP front end and the engine-core process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kestrel.engine.outputs import PositionLogprobs
+from kestrel.sampling_params import SamplingParams
+
+# ---- front end -> core --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- core -> front end --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    max_model_len: int
+    vocab_size: int
+    num_total_pages: int
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one request gained in one step; text is held back while it could still turn out
+    to be the start of a stop string."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[PositionLogprobs] | None
+    prompt_logprobs: list[PositionLogprobs | None] | None  # sent once, with the first delta
+    finish_reason: str | None
+    stop_reason: int | str | None
+    queue_seconds: float | None  # arrival to first scheduling, sent once
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    num_running: int
+    num_waiting: int
+    num_used_pages: int
+    num_total_pages: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_pages / self.num_total_pages if self.num_total_pages else 0.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    deltas: tuple[RequestDelta | RequestFailed, ...]
+    stats: CoreStats

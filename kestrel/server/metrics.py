@@ -1,0 +1,99 @@
+"""Prometheus metrics with vLLM's names under the `kestrel:` prefix, one registry per server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kestrel.server.messages import CoreStats
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kestrel:{name}", doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kestrel:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.running = gauge("num_requests_running", "Requests in model execution batches.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
+        self.kv_used_pages = gauge("kv_cache_used_pages", "KV-cache pages held by requests.")
+        self.prompt_tokens = Counter(
+            "kestrel:prompt_tokens", "Prefill tokens processed.", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "kestrel:generation_tokens", "Generation tokens processed.", labels, registry=self.registry
+        )
+        self.request_success = Counter(
+            "kestrel:request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.inter_token = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting before first scheduling.")
+
+    def observe_stats(self, stats: CoreStats) -> None:
+        label = self.model_name
+        self.running.labels(label).set(stats.num_running)
+        self.waiting.labels(label).set(stats.num_waiting)
+        self.kv_usage.labels(label).set(stats.kv_cache_usage)
+        self.kv_used_pages.labels(label).set(stats.num_used_pages)
+
+    def render(self, stats: CoreStats) -> bytes:
+        self.observe_stats(stats)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency facts for one request, reported to the metrics as tokens arrive."""
+
+    def __init__(self, metrics: ServerMetrics, start: float, num_prompt_tokens: int) -> None:
+        self.metrics, self.start, self.last = metrics, start, None
+        self.label = metrics.model_name
+        metrics.prompt_tokens.labels(self.label).inc(num_prompt_tokens)
+
+    def tokens(self, now: float, count: int, queue_seconds: float | None) -> None:
+        if queue_seconds is not None:
+            self.metrics.queue_time.labels(self.label).observe(queue_seconds)
+        if count == 0:
+            return
+        self.metrics.generation_tokens.labels(self.label).inc(count)
+        if self.last is None:
+            self.metrics.ttft.labels(self.label).observe(now - self.start)
+        else:
+            self.metrics.inter_token.labels(self.label).observe((now - self.last) / count)
+        self.last = now
+
+    def finished(self, now: float, reason: str) -> None:
+        self.metrics.e2e.labels(self.label).observe(now - self.start)
+        self.metrics.request_success.labels(self.label, reason).inc()

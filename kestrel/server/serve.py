@@ -1,0 +1,98 @@
+"""`python -m kestrel serve MODEL`: start the engine core, then the HTTP front end.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones may finish for up to
+`--shutdown-timeout` seconds, the rest are aborted (finish_reason "abort"), then both
+processes exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import uvicorn
+
+from kestrel.config import EngineArgs
+from kestrel.server.app import ServerSettings, ServerState, build_app
+from kestrel.server.engine_client import EngineClient
+
+logger = logging.getLogger("kestrel.server")
+ABORT_GRACE_SECONDS = 2.0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first exit signal drains in-flight requests before stopping."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._draining_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self._draining_task is not None:
+            return super().handle_exit(sig, frame)  # a second signal: stop now
+        self.state.draining = True
+        loop = asyncio.get_event_loop()
+        self._draining_task = loop.create_task(self._drain(sig, frame))
+
+    async def _drain(self, sig: int, frame: object) -> None:
+        client = self.state.client
+        deadline = time.monotonic() + self.shutdown_timeout
+        while client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if client.num_in_flight:
+            logger.warning("aborting %d requests still running at shutdown", client.num_in_flight)
+            client.abort_all()
+            grace = time.monotonic() + ABORT_GRACE_SECONDS
+            while client.num_in_flight and time.monotonic() < grace:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # let the last responses flush
+        super().handle_exit(sig, frame)
+
+
+def load_front_end_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    if not Path(args.model).is_dir():
+        raise FileNotFoundError(f"model {args.model!r} is not a checkpoint directory")
+    tokenizer = load_front_end_tokenizer(args.model)
+    client = EngineClient(engine_args)
+    ready = await client.start()
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        model_path=args.model,
+        api_key=args.api_key,
+        max_queue_len=args.max_queue_len,
+        max_num_seqs=engine_args.max_num_seqs,
+    )
+    state = ServerState(settings, client, tokenizer)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    server = DrainingServer(config, state, args.shutdown_timeout)
+    print(
+        f"Kestrel serving {settings.served_model_name} (max_model_len {ready.max_model_len}) "
+        f"on http://{args.host}:{args.port}",
+        flush=True,
+    )
+    try:
+        await server.serve()
+    finally:
+        await client.shutdown()
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-queue-len", type=int, default=1024, help="requests waiting beyond max-num-seqs")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--uvicorn-log-level", default="warning")
