@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -140,10 +141,8 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         if self.dead_reason is None:
-            try:
+            with contextlib.suppress(OSError):  # the core died meanwhile; the sentinel reports it
                 self._conn.send(AbortRequest(request_id))
-            except OSError:
-                pass
 
     def abort_all(self) -> None:
         for request_id in list(self._pending):
@@ -155,10 +154,8 @@ class EngineClient:
             loop.remove_reader(self._conn.fileno())
             loop.remove_reader(self._process.sentinel)
             self.dead_reason = "the server is shutting down"
-            try:
+            with contextlib.suppress(OSError):  # already gone: nothing to stop
                 self._conn.send(Shutdown())
-            except OSError:
-                pass
         await loop.run_in_executor(None, self._process.join, 30)
         if self._process.is_alive():
             self._process.kill()
