@@ -24,6 +24,7 @@ from kestrel.server.messages import (
 )
 
 STARTUP_TIMEOUT_SECONDS = 600
+MAX_MESSAGES_PER_READ = 16
 
 
 class EngineDeadError(RuntimeError):
@@ -85,9 +86,13 @@ class EngineClient:
     # ---- reading ----------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
+        # A bounded batch per callback: a fast core keeps the pipe non-empty, and draining
+        # it to the end would starve every other task on the event loop.
         try:
-            while self._conn.poll():
+            for _ in range(MAX_MESSAGES_PER_READ):
                 self._dispatch(self._conn.recv())
+                if not self._conn.poll():
+                    break
         except (EOFError, OSError):
             self._on_core_exit()
 

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+MODEL_NAME = "tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [
+            sys.executable,
+            "-m",
+            "kestrel",
+            "serve",
+            str(model),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL_NAME,
+            *extra,
+        ]
+        if api_key:
+            command += ["--api-key", api_key]
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._wait_healthy()
+
+    def _wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.process.stdout.read()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become healthy")
+
+    def core_pids(self) -> list[int]:
+        """Child processes of the server (the engine core)."""
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.process.pid:
+                children.append(int(stat.parent.name))
+        return children
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.base_url}/metrics").text
+        for line in text.splitlines():
+            if line.startswith(f"kestrel:{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        for pid in self.core_pids():
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def server_model(checkpoint_dir) -> Path:
+    return checkpoint_dir("qwen3")
+
+
+@pytest.fixture(scope="session")
+def server(server_model):
+    process = ServerProcess(server_model, "--max-num-batched-tokens", "256", "--page-size", "8")
+    yield process
+    process.stop()

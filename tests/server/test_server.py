@@ -1,0 +1,229 @@
+"""The real server over a socket: endpoints, fields, streaming, errors, aborts, load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL_NAME
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server, path: str, body: object, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers or server.headers, timeout=60)
+
+
+# ---- plain endpoints ------------------------------------------------------------------------
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    assert "version" in httpx.get(f"{server.base_url}/version").json()
+
+
+def test_tokenize_detokenize_round_trip(server):
+    tokens = post(server, "/tokenize", {"prompt": "Hello, world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == "Hello, world"
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > tokens["count"] - 5
+
+
+# ---- completions and chat -------------------------------------------------------------------
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=20, temperature=0)
+    full = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert full.choices[0].text == streamed and len(streamed) > 0
+    assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_equals_non_stream_with_usage(client):
+    kwargs = dict(
+        model=MODEL_NAME,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi!"}]},
+        ],
+        max_completion_tokens=16,
+        temperature=0,
+    )
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.content == streamed
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 16
+    assert full.choices[0].message.role == "assistant"
+
+
+def test_prompt_forms_and_n(server):
+    ids = post(server, "/tokenize", {"prompt": "Hello"}).json()["tokens"]
+    for prompt, expected in [("Hello", 1), (["Hello", "Bye"], 2), (ids, 1), ([ids, ids], 2)]:
+        body = post(
+            server,
+            "/v1/completions",
+            {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "n": 2, "temperature": 0.9, "unknown_field": True},
+        ).json()
+        assert [c["index"] for c in body["choices"]] == list(range(2 * expected))
+        assert all(c["finish_reason"] == "length" for c in body["choices"])
+
+
+def test_seeded_sampling_repeats(client):
+    kwargs = dict(model=MODEL_NAME, prompt="Once", max_tokens=12, temperature=1.0, seed=42, top_k=50, min_p=0.01)
+    first = client.completions.create(
+        **{k: v for k, v in kwargs.items() if k not in ("top_k", "min_p")}, extra_body={"top_k": 50, "min_p": 0.01}
+    )
+    second = client.completions.create(
+        **{k: v for k, v in kwargs.items() if k not in ("top_k", "min_p")}, extra_body={"top_k": 50, "min_p": 0.01}
+    )
+    assert first.choices[0].text == second.choices[0].text
+
+
+def test_echo_prompt_logprobs_legacy_format(server):
+    prompt = "The quick brown fox jumps"
+    body = post(
+        server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+    ).json()
+    choice = body["choices"][0]
+    n_prompt = body["usage"]["prompt_tokens"]
+    assert choice["text"] == prompt
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == n_prompt
+    assert logprobs["token_logprobs"][0] is None and all(v <= 0 for v in logprobs["token_logprobs"][1:])
+    assert "".join(logprobs["tokens"]) == prompt
+    assert all(len(top) <= 3 for top in logprobs["top_logprobs"][1:])
+
+
+def test_chat_logprobs(client):
+    result = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0,
+    )
+    content = result.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == max(t.logprob for t in c.top_logprobs) for c in content)  # greedy picks the top
+
+
+def test_stop_string_is_not_leaked_when_streaming(client):
+    kwargs = dict(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=30, temperature=0)
+    free = client.completions.create(**kwargs).choices[0].text
+    stop = free[6:10]
+    full = client.completions.create(stop=[stop], **kwargs).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kwargs))
+    assert full.text == streamed == free[: free.index(stop)]
+    assert full.finish_reason == "stop"
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for fragment in fragments:
+        assert fragment in error["message"]
+
+
+def test_error_cases(server):
+    url = f"{server.base_url}/v1/completions"
+    broken = httpx.post(url, content=b"{not json", headers={**server.headers, "content-type": "application/json"})
+    assert_error(broken, 400)
+    assert_error(
+        post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "temperature": -1}), 400, "temperature"
+    )
+    assert_error(post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": "many"}), 400)
+    assert_error(post(server, "/v1/completions", {"model": MODEL_NAME}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": []}), 400)
+    assert_error(post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": [10**7]}), 400, "out of range")
+    long_prompt = [5] * 2000
+    assert_error(
+        post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 100}),
+        400,
+        "1024",
+        "2000",
+    )
+    assert_error(
+        post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 5000}), 400, "1024", "5000"
+    )
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []}), 400)
+    assert_error(post(server, "/v1/completions", {"model": "other", "prompt": "x"}), 404, "other")
+    assert_error(post(server, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(f"{server.base_url}/v1/models"), 401)
+    # The server is still fine afterwards.
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# ---- aborts and load ------------------------------------------------------------------------
+
+
+def wait_idle(server, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric("kv_cache_used_pages") == 0 and server.metric("num_requests_running") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("pages still in use after the client left")
+
+
+def test_client_hanging_up_mid_stream_frees_its_pages(server):
+    body = {"model": MODEL_NAME, "prompt": "Tell me", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers) as response:
+        lines = response.iter_lines()  # kept referenced: dropping it closes the response
+        for _ in range(5):
+            next(lines)
+        assert server.metric("kv_cache_used_pages") > 0
+    wait_idle(server)
+
+
+def test_client_hanging_up_non_streaming_frees_its_pages(server):
+    body = {"model": MODEL_NAME, "prompt": "Tell me", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers, timeout=1.0)
+    wait_idle(server)
+
+
+def test_hundred_concurrent_streams_all_complete(server):
+    async def one(client: httpx.AsyncClient, index: int) -> int:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": f"request {index}",
+            "max_tokens": 8 + index % 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        usage = None
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+        return usage["completion_tokens"]
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(100)))
+
+    assert asyncio.run(run()) == [8 + i % 5 for i in range(100)]
+    wait_idle(server)
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert 'kestrel:request_success_total{finished_reason="length",model_name="tiny-qwen3"}' in metrics
+    assert "kestrel:time_to_first_token_seconds_count" in metrics
