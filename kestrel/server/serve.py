@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -31,6 +33,14 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.shutdown_timeout = shutdown_timeout
         self._draining_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises the signal it caught once serving stops; after a completed
+            # drain the shutdown is a clean one, so the process exits 0 instead.
+            self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self._draining_task is not None:

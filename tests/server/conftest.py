@@ -58,14 +58,15 @@ class ServerProcess:
         raise RuntimeError("server did not become healthy")
 
     def core_pids(self) -> list[int]:
-        """Child processes of the server (the engine core)."""
+        """The server's engine-core child (multiprocessing's resource tracker is left out)."""
         children = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
+                command = (stat.parent / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(fields[1]) == self.process.pid:
+            if int(fields[1]) == self.process.pid and b"spawn_main" in command:
                 children.append(int(stat.parent.name))
         return children
 

@@ -1,0 +1,84 @@
+"""Server lifecycle: overload, SIGTERM drain, and a dead engine core."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME, ServerProcess
+
+LONG = {"model": MODEL_NAME, "prompt": "Go on", "max_tokens": 1000, "ignore_eos": True}
+
+
+def test_overload_is_503_and_sigterm_aborts_what_is_left(server_model):
+    server = ServerProcess(
+        server_model,
+        "--max-num-seqs",
+        "2",
+        "--max-queue-len",
+        "1",
+        "--shutdown-timeout",
+        "1",
+        "--max-model-len",
+        "1024",
+    )
+    core = server.core_pids()
+    assert len(core) == 1
+
+    async def scenario() -> tuple[list[str], int]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=60) as client:
+            running = [asyncio.create_task(client.post("/v1/completions", json=LONG)) for _ in range(3)]
+            await asyncio.sleep(0.5)  # three in flight: the limit (2 seats + 1 queued) is reached
+            overflow = await client.post("/v1/completions", json={**LONG, "max_tokens": 2})
+            server.process.send_signal(signal.SIGTERM)
+            responses = await asyncio.gather(*running)
+            return [r.json()["choices"][0]["finish_reason"] for r in responses], overflow
+
+    reasons, overflow = asyncio.run(scenario())
+    assert overflow.status_code == 503 and "overloaded" in overflow.json()["error"]["message"]
+    assert reasons == ["abort"] * 3  # 1000 tokens take longer than the 1 s shutdown timeout
+    assert server.process.wait(30) == 0
+    time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{core[0]}") or "zombie" in open(f"/proc/{core[0]}/status").read().lower()
+
+
+def test_sigterm_lets_short_requests_finish(server_model):
+    server = ServerProcess(server_model, "--shutdown-timeout", "20")
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=60) as client:
+            body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            server.process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(scenario())
+    for response in responses:
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.process.wait(30) == 0
+
+
+def test_dead_engine_core_turns_health_to_503(server_model):
+    server = ServerProcess(server_model)
+    try:
+        [core] = server.core_pids()
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{server.base_url}/health")
+            if health.status_code == 503:
+                break
+            time.sleep(0.1)
+        assert health.status_code == 503
+        assert "engine core process exited unexpectedly" in health.json()["reason"]
+        failed = httpx.post(f"{server.base_url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=server.headers)
+        assert failed.status_code == 503 and "engine is not running" in failed.json()["error"]["message"]
+    finally:
+        server.stop()
