@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
-# The demo: write the built-in demo model (if absent) and generate from it.
+# The demo: build the small demo model (if absent), start the OpenAI-compatible server on it,
+# answer one chat request over HTTP, then stop the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ -f demo-model/config.json ] || .venv/bin/python -m kestrel make-demo-model demo-model
-.venv/bin/python -m kestrel generate --model demo-model --prompt "Hello, Kestrel!" --prompt "The quick brown fox" --max-tokens 24
+port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+.venv/bin/python -m kestrel serve demo-model --port "$port" --served-model-name demo &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  sleep 0.5
+done
+echo "POST /v1/chat/completions"
+curl -sS "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d '{"model": "demo", "messages": [{"role": "user", "content": "Hello, Kestrel!"}], "max_tokens": 24}'
+echo

@@ -40,6 +40,7 @@ class ServerProcess:
         ]
         if api_key:
             command += ["--api-key", api_key]
+        self.terminated = False
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._wait_healthy()
@@ -77,9 +78,15 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
+    def terminate(self) -> None:
+        """SIGTERM, as an orchestrator would; `stop` then only waits."""
+        self.terminated = True
+        self.process.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            if not self.terminated:
+                self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:

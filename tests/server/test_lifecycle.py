@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 
@@ -35,16 +36,20 @@ def test_overload_is_503_and_sigterm_aborts_what_is_left(server_model):
             running = [asyncio.create_task(client.post("/v1/completions", json=LONG)) for _ in range(3)]
             await asyncio.sleep(0.5)  # three in flight: the limit (2 seats + 1 queued) is reached
             overflow = await client.post("/v1/completions", json={**LONG, "max_tokens": 2})
-            server.process.send_signal(signal.SIGTERM)
+            server.terminate()
             responses = await asyncio.gather(*running)
             return [r.json()["choices"][0]["finish_reason"] for r in responses], overflow
 
-    reasons, overflow = asyncio.run(scenario())
+    try:
+        reasons, overflow = asyncio.run(scenario())
+    finally:
+        server.stop()
     assert overflow.status_code == 503 and "overloaded" in overflow.json()["error"]["message"]
     assert reasons == ["abort"] * 3  # 1000 tokens take longer than the 1 s shutdown timeout
     assert server.process.wait(30) == 0
     time.sleep(0.5)
-    assert not os.path.exists(f"/proc/{core[0]}") or "zombie" in open(f"/proc/{core[0]}/status").read().lower()
+    status = Path(f"/proc/{core[0]}/status")
+    assert not status.exists() or "zombie" in status.read_text().lower()
 
 
 def test_sigterm_lets_short_requests_finish(server_model):
@@ -55,10 +60,13 @@ def test_sigterm_lets_short_requests_finish(server_model):
             body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
             tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
             await asyncio.sleep(0.2)
-            server.process.send_signal(signal.SIGTERM)
+            server.terminate()
             return await asyncio.gather(*tasks)
 
-    responses = asyncio.run(scenario())
+    try:
+        responses = asyncio.run(scenario())
+    finally:
+        server.stop()
     for response in responses:
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
