@@ -105,3 +105,8 @@ def add_commands(commands: Any) -> None:
     throughput.add_argument("--output-json", default=None)
     add_engine_options(throughput)
     throughput.set_defaults(handler=run_bench)
+    serving = kinds.add_parser("serve", help="load an OpenAI-compatible server and measure latencies")
+    from kestrel.bench.serve import add_serve_bench_options, run_serve_benchmark
+
+    add_serve_bench_options(serving)
+    serving.set_defaults(handler=run_serve_benchmark)

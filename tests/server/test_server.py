@@ -227,3 +227,48 @@ def test_hundred_concurrent_streams_all_complete(server):
     metrics = httpx.get(f"{server.base_url}/metrics").text
     assert 'kestrel:request_success_total{finished_reason="length",model_name="tiny-qwen3"}' in metrics
     assert "kestrel:time_to_first_token_seconds_count" in metrics
+
+
+def test_bench_serve_measures_this_server(server, tmp_path):
+    import subprocess
+    import sys
+
+    result_json, png = tmp_path / "result.json", tmp_path / "latency.png"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kestrel",
+            "bench",
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "12",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--max-concurrency",
+            "4",
+            "--request-rate",
+            "50",
+            "--vocab-size",
+            "400",
+            "--result-json",
+            str(result_json),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(result_json.read_text())
+    assert (result["completed"], result["failed"]) == (12, 0)
+    assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0
+    assert result["e2e"]["p99_ms"] >= result["e2e"]["median_ms"] > 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
