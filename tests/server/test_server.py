@@ -272,3 +272,24 @@ def test_bench_serve_measures_this_server(server, tmp_path):
     assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0
     assert result["e2e"]["p99_ms"] >= result["e2e"]["median_ms"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_sampling_field_is_accepted_and_applied(server):
+    base = {"model": MODEL_NAME, "prompt": "The the the", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/completions", base).json()["choices"][0]
+    fields = {
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "presence_penalty": 1.5,
+        "frequency_penalty": 2.0,
+        "repetition_penalty": 1.3,
+        "seed": 3,
+        "user": "someone",
+        "stop": ["\n\n\n"],
+    }
+    penalised = post(server, "/v1/completions", {**base, **fields, "logprobs": 1}).json()["choices"][0]
+    tokens = post(server, "/tokenize", {"prompt": plain["text"]}).json()["tokens"]
+    assert len(set(tokens)) < len(tokens), "greedy output of the random model repeats tokens"
+    assert penalised["text"] != plain["text"]  # the penalties changed what greedy decoding picks
+    assert len(penalised["logprobs"]["tokens"]) == 40
