@@ -64,6 +64,12 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_latency(args: argparse.Namespace) -> int:
+    from kestrel.bench.latency import run_latency_benchmark
+
+    return run_latency_benchmark(args)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kestrel.bench.throughput import run_throughput_benchmark
 
@@ -105,6 +111,17 @@ def add_commands(commands: Any) -> None:
     throughput.add_argument("--output-json", default=None)
     add_engine_options(throughput)
     throughput.set_defaults(handler=run_bench)
+    latency = kinds.add_parser("latency", help="one request: decode ms/token vs the bandwidth limit and HF")
+    latency_source = latency.add_mutually_exclusive_group(required=True)
+    latency_source.add_argument("--model")
+    latency_source.add_argument("--dummy-config")
+    latency.add_argument("--input-len", type=int, default=128)
+    latency.add_argument("--output-len", type=int, default=256)
+    latency.add_argument("--hf-output-len", type=int, default=64, help="HF is slow: fewer tokens suffice")
+    latency.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=True)
+    latency.add_argument("--output-json", default=None)
+    add_engine_options(latency)
+    latency.set_defaults(handler=run_latency)
     serving = kinds.add_parser("serve", help="load an OpenAI-compatible server and measure latencies")
     from kestrel.bench.serve import add_serve_bench_options, run_serve_benchmark
 

@@ -102,14 +102,14 @@ def compute_limit_tokens_per_s(spec: ModelSpec, prompts: int, input_len: int, ou
     return prompts * output_len / (total_flops / rate)
 
 
-def build_hf_model(args: argparse.Namespace, llm):
+def build_hf_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    dtype, device = llm.engine.parts.dtype, llm.engine.parts.runtime.device
     if args.dummy_config:
         from kestrel.models.dummy_configs import dummy_hf_config
 
-        return AutoModelForCausalLM.from_config(dummy_hf_config(args.dummy_config), dtype=dtype).to(device).eval()
+        with torch.device(device):  # initialise the random weights where they will live
+            return AutoModelForCausalLM.from_config(dummy_hf_config(args.dummy_config), dtype=dtype).eval()
     return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
 
 
@@ -126,7 +126,7 @@ def run_throughput_benchmark(args: argparse.Namespace) -> int:
     time_kestrel(llm, prompts[:2], 4)  # warm-up
     results = [time_kestrel(llm, prompts[:1], args.output_len), time_kestrel(llm, prompts, args.output_len)]
     if args.hf_baseline:
-        hf = build_hf_model(args, llm)
+        hf = build_hf_model(args, dtype, device)
         time_hf(hf, prompts[:2], 4)
         results += [time_hf(hf, prompts[:1], args.output_len), time_hf(hf, prompts, args.output_len)]
     rate = matmul_flops_per_s(args.num_prompts, spec, dtype, device)

@@ -21,12 +21,18 @@ class DecodeMetadata:
 
 @dataclass(frozen=True)
 class PrefillMetadata:
-    """Sequences with several new tokens, possibly after an already cached prefix."""
+    """Sequences with several new tokens, possibly after an already cached prefix.
+
+    The same facts as host tuples (for loops on the host) and device tensors (for kernels).
+    """
 
     query_start_loc: tuple[int, ...]  # token row where each sequence starts, plus the end
     num_cached_tokens: tuple[int, ...]
     seq_lens: tuple[int, ...]
     page_table: torch.Tensor  # [num_seqs, max_pages], padded with page 0
+    query_start_loc_tensor: torch.Tensor  # [num_seqs + 1]
+    num_cached_tokens_tensor: torch.Tensor  # [num_seqs]
+    max_query_len: int
 
 
 @dataclass(frozen=True)

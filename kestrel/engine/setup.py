@@ -142,7 +142,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     spec = recipe.spec(hf_config)
     dtype = resolve_dtype(args.dtype, hf_config, runtime)
     backend_cls = select_backend(
-        BackendRequirements(runtime.name, dtype, spec.head_dim, spec.sliding_window is not None),
+        BackendRequirements(runtime.name, dtype, spec.head_dim, spec.sliding_window is not None, args.page_size),
         args.attention_backend,
     )
     model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed)

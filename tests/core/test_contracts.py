@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -57,26 +59,39 @@ def dense_reference(q, k_all, v_all, cached, scale, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v_all.double()).float()
 
 
+def backend_devices(backend) -> list[str]:
+    """Where a backend is tested: its devices here, or the CPU under Triton's interpreter."""
+    devices = [d for d in DEVICES if d in backend.capabilities.devices]
+    if not devices and os.environ.get("TRITON_INTERPRET") == "1":
+        devices = ["cpu"]
+    return devices
+
+
+def supported(values, allowed) -> list:
+    return [v for v in values if allowed is None or v in allowed]
+
+
 BACKEND_CASES = [
-    (backend, device, page_size, heads, kv_heads, window)
+    (backend, device, page_size, dim, heads, kv_heads, window)
     for backend in BACKENDS
-    for device in DEVICES
-    for page_size in (4, 16)
-    for heads, kv_heads in ((4, 4), (4, 2), (4, 1))
+    for device in backend_devices(backend)
+    for page_size in supported((4, 16, 64), backend.capabilities.page_sizes)
+    for dim in supported((16, 64, 128), backend.capabilities.head_dims)
+    for heads, kv_heads in ((4, 4), (8, 2), (4, 1))
     for window in (None, 5)
 ]
 
 
-@pytest.mark.parametrize("backend_cls, device, page_size, heads, kv_heads, window", BACKEND_CASES)
-def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, page_size, heads, kv_heads, window):
+@pytest.mark.parametrize("backend_cls, device, page_size, dim, heads, kv_heads, window", BACKEND_CASES)
+def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, page_size, dim, heads, kv_heads, window):
     torch.manual_seed(0)
-    dim = 16
     layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
     kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), torch.device(device))
     backend = backend_cls(torch.device(device), page_size)
-    # (cached tokens, new tokens): two decodes, a fresh prefill, a prefill after a cached prefix.
-    shapes = [(9, 1), (0, 1), (0, 7), (13, 6)]
+    # (cached tokens, new tokens): three decodes, a fresh prefill, prefills after a cached
+    # prefix, one longer than a query block and spread over several pages.
+    shapes = [(9, 1), (0, 1), (40, 1), (0, 7), (13, 6), (3, 70)]
     contexts = {
         i: (torch.randn(c + n, kv_heads, dim), torch.randn(c + n, kv_heads, dim)) for i, (c, n) in enumerate(shapes)
     }
@@ -89,7 +104,7 @@ def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, p
             q = torch.randn(cached, heads, dim)
             backend.forward(q.to(device), k.to(device), v.to(device), kv.layer(0), backend.bind(prefix), layer)
         chunks.append(SequenceChunk(new, cached, pages))
-    layout = BatchLayout(tuple(chunks), num_decodes=2, page_size=page_size)
+    layout = BatchLayout(tuple(chunks), num_decodes=3, page_size=page_size)
     metadata = backend.bind(layout)
     assert metadata.phase is GraphPhase.MIXED
     queries = [torch.randn(n, heads, dim) for _, n in shapes]
@@ -106,11 +121,11 @@ def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, p
 
 
 def test_selection_explains_every_refusal():
-    needs = BackendRequirements(device="tpu", dtype=torch.float32, head_dim=64, sliding_window=False)
+    needs = BackendRequirements(device="tpu", dtype=torch.float32, head_dim=64, sliding_window=False, page_size=16)
     with pytest.raises(NoAttentionBackendError, match="torch: device tpu not in"):
         select_backend(needs)
     with pytest.raises(NoAttentionBackendError, match="unknown attention backend 'flash'"):
-        select_backend(BackendRequirements("cpu", torch.float32, 64, False), preferred="flash")
+        select_backend(BackendRequirements("cpu", torch.float32, 64, False, 16), preferred="flash")
 
 
 # ---- recipes -------------------------------------------------------------------------------

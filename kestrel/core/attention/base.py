@@ -37,6 +37,7 @@ class BackendCapabilities:
     head_dims: frozenset[int] | None  # None: any head size
     sliding_window: bool
     cuda_graphs: bool
+    page_sizes: frozenset[int] | None  # None: any page size
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class BackendRequirements:
     dtype: torch.dtype
     head_dim: int
     sliding_window: bool
+    page_size: int
 
 
 class AttentionBackend(ABC):
@@ -68,6 +70,8 @@ class AttentionBackend(ABC):
             reasons.append(f"dtype {needs.dtype} not supported")
         if caps.head_dims is not None and needs.head_dim not in caps.head_dims:
             reasons.append(f"head_dim {needs.head_dim} not in {sorted(caps.head_dims)}")
+        if caps.page_sizes is not None and needs.page_size not in caps.page_sizes:
+            reasons.append(f"page_size {needs.page_size} not in {sorted(caps.page_sizes)}")
         if needs.sliding_window and not caps.sliding_window:
             reasons.append("sliding-window attention not supported")
         return reasons

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from kestrel.core.attention.base import AttentionBackend, BackendRequirements
 from kestrel.core.attention.torch_ref import TorchReferenceBackend
+from kestrel.core.attention.triton_paged import TritonPagedBackend
 
 # In order of preference; faster, narrower backends go first.
-BACKENDS: tuple[type[AttentionBackend], ...] = (TorchReferenceBackend,)
+BACKENDS: tuple[type[AttentionBackend], ...] = (TritonPagedBackend, TorchReferenceBackend)
 
 
 class NoAttentionBackendError(ValueError):

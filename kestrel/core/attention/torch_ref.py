@@ -14,13 +14,12 @@ from kestrel.core.attention.base import (
     AttentionLayerSpec,
     BackendCapabilities,
 )
-from kestrel.core.batch import BatchLayout, SequenceChunk
-from kestrel.core.graph import GraphPhase
+from kestrel.core.attention.binding import PagedMetadataBinding
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
 
 
-class TorchReferenceBackend(AttentionBackend):
+class TorchReferenceBackend(PagedMetadataBinding, AttentionBackend):
     name = "torch"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu", "cuda"}),
@@ -28,45 +27,8 @@ class TorchReferenceBackend(AttentionBackend):
         head_dims=None,
         sliding_window=True,
         cuda_graphs=False,
+        page_sizes=None,
     )
-
-    def bind(self, layout: BatchLayout) -> AttentionMetadata:
-        decodes = layout.chunks[: layout.num_decodes]
-        prefills = layout.chunks[layout.num_decodes :]
-        return AttentionMetadata(
-            phase=GraphPhase.of(len(decodes), len(prefills)),
-            slot_mapping=self._tensor(_slot_mapping(layout)),
-            decode=self._decode_metadata(decodes) if decodes else None,
-            prefill=self._prefill_metadata(prefills, layout.num_decodes) if prefills else None,
-        )
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _page_table(self, chunks: tuple[SequenceChunk, ...]) -> torch.Tensor:
-        width = max(len(chunk.page_ids) for chunk in chunks)
-        rows = [list(chunk.page_ids) + [0] * (width - len(chunk.page_ids)) for chunk in chunks]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
-    def _decode_metadata(self, chunks: tuple[SequenceChunk, ...]) -> DecodeMetadata:
-        seq_lens = [chunk.seq_len for chunk in chunks]
-        return DecodeMetadata(
-            num_seqs=len(chunks),
-            seq_lens=self._tensor(seq_lens),
-            page_table=self._page_table(chunks),
-            max_seq_len=max(seq_lens),
-        )
-
-    def _prefill_metadata(self, chunks: tuple[SequenceChunk, ...], first_row: int) -> PrefillMetadata:
-        starts = [first_row]
-        for chunk in chunks:
-            starts.append(starts[-1] + chunk.query_len)
-        return PrefillMetadata(
-            query_start_loc=tuple(starts),
-            num_cached_tokens=tuple(chunk.num_cached_tokens for chunk in chunks),
-            seq_lens=tuple(chunk.seq_len for chunk in chunks),
-            page_table=self._page_table(chunks),
-        )
 
     def forward(
         self,
@@ -92,15 +54,6 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
     heads, dim = key.shape[1], key.shape[2]
     cache.key.view(heads, -1, dim).index_copy_(1, slots, key.transpose(0, 1).to(cache.key.dtype))
     cache.value.view(heads, -1, dim).index_copy_(1, slots, value.transpose(0, 1).to(cache.value.dtype))
-
-
-def _slot_mapping(layout: BatchLayout) -> list[int]:
-    slots = []
-    for chunk in layout.chunks:
-        for position in range(chunk.num_cached_tokens, chunk.seq_len):
-            page = chunk.page_ids[position // layout.page_size]
-            slots.append(page * layout.page_size + position % layout.page_size)
-    return slots
 
 
 def _gather(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Single-request latency: decode time per token next to the memory-bandwidth limit and to
+HF transformers `generate`, all measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
+    """Bytes/s moved by a device-to-device copy (each byte is read once and written once)."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    _sync(device)
+    repeats = 10
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(source)
+    _sync(device)
+    return 2 * num_bytes * repeats / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_kestrel(llm, prompt: list[int], output_len: int) -> dict[str, float]:
+    from kestrel import SamplingParams
+
+    def run(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        llm.engine.parts.runtime.synchronize()
+        return time.perf_counter() - start
+
+    run(4)  # warm-up: kernel compilation, allocator
+    first_token = min(run(1) for _ in range(3))
+    total = run(output_len)
+    return {
+        "ttft_s": first_token,
+        "total_s": total,
+        "decode_ms_per_token": (total - first_token) / (output_len - 1) * 1e3,
+    }
+
+
+def time_hf(model, prompt: list[int], output_len: int) -> dict[str, float]:
+    device = next(model.parameters()).device
+    inputs = torch.tensor([prompt], device=device)
+
+    def run(max_new: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=0,
+            )
+        _sync(device)
+        return time.perf_counter() - start
+
+    run(2)
+    first_token = run(1)
+    total = run(output_len)
+    return {
+        "ttft_s": first_token,
+        "total_s": total,
+        "decode_ms_per_token": (total - first_token) / (output_len - 1) * 1e3,
+    }
+
+
+def run_latency_benchmark(args: argparse.Namespace) -> int:
+    from kestrel import LLM
+    from kestrel.bench.throughput import build_hf_model, random_prompts
+    from kestrel.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    if args.dummy_config:
+        kwargs["load_format"] = "dummy"
+    llm = LLM(args.dummy_config or args.model, **kwargs)
+    parts = llm.engine.parts
+    spec, device = parts.spec, parts.runtime.device
+    prompt = random_prompts(1, args.input_len, spec.vocab_size)[0]
+    kestrel_times = time_kestrel(llm, prompt, args.output_len)
+    element = torch.empty((), dtype=parts.dtype).element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in parts.runner.model.parameters())
+    if not spec.tie_word_embeddings:
+        weight_bytes -= spec.vocab_size * spec.hidden_size * element  # a lookup reads one row per token
+    mean_context = args.input_len + args.output_len / 2
+    kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * mean_context
+    bandwidth = copy_bandwidth(device)
+    limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+    report = {
+        "model": args.dummy_config or args.model,
+        "dtype": str(parts.dtype),
+        "device": str(device),
+        "backend": parts.runner.backend.name,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "kestrel": kestrel_times,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_step": kv_bytes,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_limit_ms_per_token": limit_ms,
+        "kestrel_over_limit": kestrel_times["decode_ms_per_token"] / limit_ms,
+    }
+    if args.hf_baseline:
+        hf = build_hf_model(args, parts.dtype, device)
+        report["hf"] = time_hf(hf, prompt, args.hf_output_len)
+    print(json.dumps(report, indent=2))
+    if args.output_json:
+        with open(args.output_json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    return 0

@@ -1,0 +1,67 @@
+"""Binding shared by the paged backends: a step's plain-data layout -> typed AttentionMetadata."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.core.batch import BatchLayout, SequenceChunk
+from kestrel.core.graph import GraphPhase
+from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+
+
+def slot_mapping(layout: BatchLayout) -> list[int]:
+    """The flat KV slot (page * page_size + offset) of every new token, in row order."""
+    slots = []
+    for chunk in layout.chunks:
+        for position in range(chunk.num_cached_tokens, chunk.seq_len):
+            page = chunk.page_ids[position // layout.page_size]
+            slots.append(page * layout.page_size + position % layout.page_size)
+    return slots
+
+
+class PagedMetadataBinding:
+    """`bind` for backends that read the paged pool through page tables."""
+
+    device: torch.device
+
+    def bind(self, layout: BatchLayout) -> AttentionMetadata:
+        decodes = layout.chunks[: layout.num_decodes]
+        prefills = layout.chunks[layout.num_decodes :]
+        return AttentionMetadata(
+            phase=GraphPhase.of(len(decodes), len(prefills)),
+            slot_mapping=self._tensor(slot_mapping(layout)),
+            decode=self._decode_metadata(decodes) if decodes else None,
+            prefill=self._prefill_metadata(prefills, layout.num_decodes) if prefills else None,
+        )
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _page_table(self, chunks: tuple[SequenceChunk, ...]) -> torch.Tensor:
+        width = max(len(chunk.page_ids) for chunk in chunks)
+        rows = [list(chunk.page_ids) + [0] * (width - len(chunk.page_ids)) for chunk in chunks]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _decode_metadata(self, chunks: tuple[SequenceChunk, ...]) -> DecodeMetadata:
+        seq_lens = [chunk.seq_len for chunk in chunks]
+        return DecodeMetadata(
+            num_seqs=len(chunks),
+            seq_lens=self._tensor(seq_lens),
+            page_table=self._page_table(chunks),
+            max_seq_len=max(seq_lens),
+        )
+
+    def _prefill_metadata(self, chunks: tuple[SequenceChunk, ...], first_row: int) -> PrefillMetadata:
+        starts = [first_row]
+        for chunk in chunks:
+            starts.append(starts[-1] + chunk.query_len)
+        cached = [chunk.num_cached_tokens for chunk in chunks]
+        return PrefillMetadata(
+            query_start_loc=tuple(starts),
+            num_cached_tokens=tuple(cached),
+            seq_lens=tuple(chunk.seq_len for chunk in chunks),
+            page_table=self._page_table(chunks),
+            query_start_loc_tensor=self._tensor(starts),
+            num_cached_tokens_tensor=self._tensor(cached),
+            max_query_len=max(chunk.query_len for chunk in chunks),
+        )

@@ -1,0 +1,244 @@
+"""Triton kernels over the head-major paged KV pool ([kv_heads, pages, page_size, head_dim]).
+
+- `store_kv_kernel`: one program per (token, kv head) writes the new key and value rows.
+- `decode_kernel`: one program per (sequence, kv head); the GROUP query heads sharing that
+  KV head are the rows of one tile, so each KV page is read once per head group.
+- `prefill_kernel`: one program per (sequence, query head, block of query rows); walks the
+  sequence's pages (cached prefix and new tokens alike) with causal and window masks.
+Both attention kernels use an online softmax (FlashAttention-style) in float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_head,
+    stride_cache_slot,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token)
+    dims = tl.arange(0, BLOCK_D)
+    in_dim = dims < HEAD_DIM
+    key = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + dims, mask=in_dim)
+    value = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + dims, mask=in_dim)
+    target = head * stride_cache_head + slot * stride_cache_slot + dims
+    tl.store(key_cache_ptr + target, key.to(key_cache_ptr.dtype.element_ty), mask=in_dim)
+    tl.store(value_cache_ptr + target, value.to(value_cache_ptr.dtype.element_ty), mask=in_dim)
+
+
+@triton.jit
+def _attend_page(
+    query,
+    acc,
+    row_max,
+    row_sum,
+    key_cache_ptr,
+    value_cache_ptr,
+    page,
+    kv_head,
+    visible,
+    scale,
+    stride_cache_head,
+    stride_cache_page,
+    stride_cache_slot,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One online-softmax update of `acc` with the keys and values of one page."""
+    dims = tl.arange(0, BLOCK_D)
+    offsets = (
+        kv_head * stride_cache_head
+        + page * stride_cache_page
+        + tl.arange(0, PAGE)[:, None] * stride_cache_slot
+        + dims[None, :]
+    )
+    in_dim = (dims < HEAD_DIM)[None, :]
+    keys = tl.load(key_cache_ptr + offsets, mask=in_dim, other=0.0)
+    values = tl.load(value_cache_ptr + offsets, mask=in_dim, other=0.0)
+    scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    # Rows that have seen nothing visible yet keep a max of -inf; subtract 0 there, not -inf.
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(row_max - safe_max)
+    weights = tl.exp(scores - safe_max[:, None])
+    row_sum = row_sum * rescale + tl.sum(weights, 1)
+    acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
+    return acc, new_max, row_sum
+
+
+@triton.jit
+def decode_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    seq_lens_ptr,
+    page_table_ptr,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_head,
+    stride_cache_page,
+    stride_cache_slot,
+    stride_page_table,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < GROUP
+    io_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    heads = kv_head * GROUP + rows
+    query = tl.load(
+        query_ptr + seq * stride_query_token + heads[:, None] * stride_query_head + dims[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
+    row_max = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    first_position = seq_len * 0  # same integer type as the loaded lengths
+    if window > 0:
+        first_position = tl.maximum(seq_len - window, 0)
+    for page_index in range(first_position // PAGE, tl.cdiv(seq_len, PAGE)):
+        page = tl.load(page_table_ptr + seq * stride_page_table + page_index)
+        positions = page_index * PAGE + tl.arange(0, PAGE)
+        visible = ((positions < seq_len) & (positions >= first_position))[None, :]
+        acc, row_max, row_sum = _attend_page(
+            query,
+            acc,
+            row_max,
+            row_sum,
+            key_cache_ptr,
+            value_cache_ptr,
+            page,
+            kv_head,
+            visible,
+            scale,
+            stride_cache_head,
+            stride_cache_page,
+            stride_cache_slot,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            PRECISION,
+        )
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
+    tl.store(
+        out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@triton.jit
+def prefill_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    query_start_ptr,
+    num_cached_ptr,
+    page_table_ptr,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_head,
+    stride_cache_page,
+    stride_cache_slot,
+    stride_page_table,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    if block * BLOCK_M >= query_len:
+        return
+    cached = tl.load(num_cached_ptr + seq)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    io_mask = (rows < query_len)[:, None] & (dims < HEAD_DIM)[None, :]
+    query = tl.load(
+        query_ptr + (query_start + rows)[:, None] * stride_query_token + head * stride_query_head + dims[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    query_positions = cached + rows
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    end = cached + tl.minimum((block + 1) * BLOCK_M, query_len)  # the block's last query position + 1
+    first_position = cached * 0  # same integer type as the loaded lengths
+    if window > 0:
+        first_position = tl.maximum(cached + block * BLOCK_M - window + 1, 0)
+    kv_head = head // GROUP
+    for page_index in range(first_position // PAGE, tl.cdiv(end, PAGE)):
+        page = tl.load(page_table_ptr + seq * stride_page_table + page_index)
+        positions = page_index * PAGE + tl.arange(0, PAGE)
+        visible = positions[None, :] <= query_positions[:, None]
+        if window > 0:
+            visible = visible & (positions[None, :] > query_positions[:, None] - window)
+        acc, row_max, row_sum = _attend_page(
+            query,
+            acc,
+            row_max,
+            row_sum,
+            key_cache_ptr,
+            value_cache_ptr,
+            page,
+            kv_head,
+            visible,
+            scale,
+            stride_cache_head,
+            stride_cache_page,
+            stride_cache_slot,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            PRECISION,
+        )
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
+    tl.store(
+        out_ptr + (query_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )

@@ -1,0 +1,144 @@
+"""The Triton paged-attention backend (CUDA): store, decode and prefill kernels over the pool."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec, BackendCapabilities
+from kestrel.core.attention.binding import PagedMetadataBinding
+from kestrel.core.attention.triton_kernels import decode_kernel, prefill_kernel, store_kv_kernel
+from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from kestrel.core.state import KVLayerCache
+
+PREFILL_BLOCK_M = 64
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller head groups are padded
+
+
+class TritonPagedBackend(PagedMetadataBinding, AttentionBackend):
+    name = "triton"
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        head_dims=frozenset({64, 80, 96, 128, 256}),
+        sliding_window=True,
+        cuda_graphs=True,
+        page_sizes=frozenset({16, 32, 64, 128}),
+    )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVLayerCache,
+        metadata: AttentionMetadata,
+        layer: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        store_kv(cache, key, value, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.decode is not None:
+            decode_attention(query, cache, metadata.decode, layer, output)
+        if metadata.prefill is not None:
+            prefill_attention(query, cache, metadata.prefill, layer, output)
+        return output
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    tokens, heads, head_dim = key.shape
+    if tokens == 0:
+        return
+    store_kv_kernel[(tokens, heads)](
+        key,
+        value,
+        cache.key,
+        cache.value,
+        slots,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cache.key.stride(0),
+        cache.key.stride(2),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+    )
+
+
+def _window(layer: AttentionLayerSpec) -> int:
+    return layer.sliding_window or 0
+
+
+def _precision(cache: KVLayerCache) -> str:
+    # float32 models get exact float32 dots, not TF32; half types ignore this.
+    return "ieee" if cache.key.dtype == torch.float32 else "tf32"
+
+
+def decode_attention(
+    query: torch.Tensor, cache: KVLayerCache, meta: DecodeMetadata, layer: AttentionLayerSpec, output: torch.Tensor
+) -> None:
+    group = layer.num_heads // layer.num_kv_heads
+    decode_kernel[(meta.num_seqs, layer.num_kv_heads)](
+        query,
+        cache.key,
+        cache.value,
+        output,
+        meta.seq_lens,
+        meta.page_table,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        cache.key.stride(0),
+        cache.key.stride(1),
+        cache.key.stride(2),
+        meta.page_table.stride(0),
+        layer.scale,
+        _window(layer),
+        GROUP=group,
+        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=layer.head_dim,
+        BLOCK_D=_block_d(layer.head_dim),
+        PAGE=page_size_of(cache),
+        PRECISION=_precision(cache),
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor, cache: KVLayerCache, meta: PrefillMetadata, layer: AttentionLayerSpec, output: torch.Tensor
+) -> None:
+    num_seqs = len(meta.seq_lens)
+    blocks = triton.cdiv(meta.max_query_len, PREFILL_BLOCK_M)
+    prefill_kernel[(num_seqs, layer.num_heads, blocks)](
+        query,
+        cache.key,
+        cache.value,
+        output,
+        meta.query_start_loc_tensor,
+        meta.num_cached_tokens_tensor,
+        meta.page_table,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        cache.key.stride(0),
+        cache.key.stride(1),
+        cache.key.stride(2),
+        meta.page_table.stride(0),
+        layer.scale,
+        _window(layer),
+        GROUP=layer.num_heads // layer.num_kv_heads,
+        HEAD_DIM=layer.head_dim,
+        BLOCK_D=_block_d(layer.head_dim),
+        BLOCK_M=PREFILL_BLOCK_M,
+        PAGE=page_size_of(cache),
+        PRECISION=_precision(cache),
+    )
+
+
+def page_size_of(cache: KVLayerCache) -> int:
+    return cache.key.shape[2]
