@@ -87,7 +87,7 @@ def add_commands(commands: Any) -> None:
     generate.set_defaults(handler=run_generate)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from kestrel.server.serve import add_serve_options
+    from kestrel.server.options import add_serve_options
 
     add_serve_options(serve)
     add_engine_options(serve)

@@ -41,7 +41,9 @@ def test_greedy_matches_hf_with_chunked_mixed_batches(family, device, checkpoint
     # A 64-token budget splits the longer prompts over several steps while the short
     # ones already decode, so prefill, decode and mixed steps all occur.
     # Page size 16 lets CUDA pick the Triton backend; float32 keeps the comparison exact.
-    llm = LLM(str(path), max_num_batched_tokens=64, page_size=16, dtype="float32", device=device)
+    llm = LLM(
+        str(path), max_num_batched_tokens=64, page_size=16, dtype="float32", device=device, kv_cache_memory_gb=0.25
+    )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
@@ -59,7 +61,7 @@ def test_prompt_logprobs_match_hf(checkpoint_dir):
     path = checkpoint_dir("llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = random_prompts(seed=5)[3]  # 120 tokens, prefilled in two chunks of 64
-    llm = LLM(str(path), max_num_batched_tokens=64, page_size=8)
+    llm = LLM(str(path), max_num_batched_tokens=64, page_size=8, dtype="float32", kv_cache_memory_gb=0.25)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
     output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     with torch.no_grad():

@@ -89,7 +89,13 @@ def kv_budget_bytes(args: EngineArgs, runtime: DeviceRuntime) -> int:
     if runtime.name == "cpu":
         return min(CPU_DEFAULT_KV_BYTES, memory.free_bytes // 4)
     used = memory.total_bytes - memory.free_bytes
-    return int(memory.total_bytes * CUDA_MEMORY_UTILIZATION) - used - CUDA_ACTIVATION_HEADROOM
+    budget = int(memory.total_bytes * CUDA_MEMORY_UTILIZATION) - used - CUDA_ACTIVATION_HEADROOM
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory is left for the KV cache: {memory.free_bytes / GIB:.1f} GiB free of "
+            f"{memory.total_bytes / GIB:.1f} GiB after loading the model; free the GPU or set kv_cache_memory_gb"
+        )
+    return budget
 
 
 def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:

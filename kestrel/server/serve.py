@@ -95,14 +95,3 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         await server.serve()
     finally:
         await client.shutdown()
-
-
-def add_serve_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="checkpoint directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-queue-len", type=int, default=1024, help="requests waiting beyond max-num-seqs")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
-    parser.add_argument("--uvicorn-log-level", default="warning")
