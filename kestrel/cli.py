@@ -17,6 +17,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -31,6 +32,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         load_format=args.load_format,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
 
 

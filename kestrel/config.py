@@ -21,6 +21,7 @@ class EngineArgs:
     load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
     attention_backend: str | None = None
     tokenizer: str | None = None  # defaults to the model directory
+    enforce_eager: bool = False  # never capture CUDA graphs
 
     def __post_init__(self) -> None:
         checks = [

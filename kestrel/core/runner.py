@@ -11,6 +11,7 @@ from torch import nn
 
 from kestrel.core.attention.base import AttentionBackend
 from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk
+from kestrel.core.cuda_graphs import DecodeGraphs
 from kestrel.core.forward import ForwardContext
 from kestrel.core.runtime import DeviceRuntime
 from kestrel.core.sampling import SampledToken, Sampler, SamplingRow, TokenLogprobs, top_logprobs
@@ -68,8 +69,10 @@ class ModelRunner:
         kv: PagedKVProvider,
         runtime: DeviceRuntime,
         max_num_batched_tokens: int,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs
         self.backend = backend
         self.kv = kv
         self.runtime = runtime
@@ -88,10 +91,11 @@ class ModelRunner:
     def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
         ordered = sorted(work, key=lambda item: not item.is_decode)  # stable: decodes first
         layout = self._layout(ordered)
-        inputs, rows = self._inputs(ordered)
-        context = ForwardContext(self.backend, self.backend.bind(layout), self.kv)
-        hidden = self.model(inputs.input_ids, inputs.positions, context)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        token_ids, positions, logits_indices, rows = self._host_inputs(ordered)
+        if self._fits_graph(ordered):
+            logits = self.graphs.run(layout, token_ids, positions)
+        else:
+            logits = self._run_eager(layout, token_ids, positions, logits_indices)
         sampled = self._sample(ordered, rows, logits)
         prompt = self._prompt_logprobs(ordered, rows, logits)
         results = tuple(
@@ -105,7 +109,26 @@ class ModelRunner:
         num_decodes = sum(1 for item in ordered if item.is_decode)
         return BatchLayout(chunks=chunks, num_decodes=num_decodes, page_size=self.kv.spec.page_size)
 
-    def _inputs(self, ordered: list[SequenceWork]) -> tuple[BatchInputs, list[_LogitRows]]:
+    def _fits_graph(self, ordered: list[SequenceWork]) -> bool:
+        """Captured graphs cover decode-only steps that sample every row and nothing else."""
+        if self.graphs is None or self.graphs.bucket_for(len(ordered)) is None:
+            return False
+        return all(item.is_decode and item.sample and not item.prompt_logprob_targets for item in ordered)
+
+    def _run_eager(
+        self, layout: BatchLayout, token_ids: list[int], positions: list[int], logits_indices: list[int]
+    ) -> torch.Tensor:
+        inputs = BatchInputs(
+            input_ids=self._stage("input_ids", token_ids),
+            positions=self._stage("positions", positions),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.runtime.device),
+        )
+        context = ForwardContext(self.backend, self.backend.bind(layout), self.kv)
+        hidden = self.model(inputs.input_ids, inputs.positions, context)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _host_inputs(self, ordered: list[SequenceWork]) -> tuple[list[int], list[int], list[int], list[_LogitRows]]:
+        """Token ids, positions, the rows whose logits are needed, and which rows are whose."""
         token_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -121,12 +144,7 @@ class ModelRunner:
                 sample_row = len(logits_indices)
                 logits_indices.append(len(token_ids) - 1)
             rows.append(_LogitRows(range(first_row, first_row + len(item.prompt_logprob_targets)), sample_row))
-        inputs = BatchInputs(
-            input_ids=self._stage("input_ids", token_ids),
-            positions=self._stage("positions", positions),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.runtime.device),
-        )
-        return inputs, rows
+        return token_ids, positions, logits_indices, rows
 
     def _stage(self, name: str, values: list[int]) -> torch.Tensor:
         buffer = self.workspace.get(name, (len(values),), torch.long)

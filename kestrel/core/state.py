@@ -117,7 +117,10 @@ class PagedKVProvider(StateProvider):
             )
         self.spec = spec
         self.allocator = PageAllocator(num_pages, spec.page_size)
-        shape = (spec.num_layers, 2, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+        # One page past the allocator's range that no request ever owns: padded rows of a
+        # captured graph write their throwaway keys and values there.
+        self.scratch_page = num_pages
+        shape = (spec.num_layers, 2, spec.num_kv_heads, num_pages + 1, spec.page_size, spec.head_dim)
         # Zeros, not empty: masked-out positions are multiplied by zero weights, and
         # uninitialised memory may hold NaN, which would survive that multiplication.
         self._storage = torch.zeros(shape, dtype=spec.dtype, device=device)

@@ -12,6 +12,7 @@ import torch
 from kestrel.config import GIB, EngineArgs
 from kestrel.core.attention.base import AttentionBackend, BackendRequirements
 from kestrel.core.attention.registry import select_backend
+from kestrel.core.cuda_graphs import DecodeGraphs
 from kestrel.core.planner import FcfsPlanner, PlannerConfig
 from kestrel.core.recipe import ModelSpec
 from kestrel.core.runner import ModelRunner
@@ -33,6 +34,7 @@ DTYPES = {
 CPU_DEFAULT_KV_BYTES = 1 * GIB
 CUDA_MEMORY_UTILIZATION = 0.9
 CUDA_ACTIVATION_HEADROOM = 2 * GIB
+MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 
 
 @dataclass(frozen=True)
@@ -158,13 +160,19 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
+    graphs = None
+    if runtime.supports_graphs and backend.capabilities.cuda_graphs and not args.enforce_eager:
+        graphs = DecodeGraphs(
+            model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
+        )
+        graphs.capture()
     return EngineParts(
         args=args,
         runtime=runtime,
         spec=spec,
         dtype=dtype,
         kv=kv,
-        runner=ModelRunner(model, backend, kv, runtime, max_num_batched_tokens),
+        runner=ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs),
         planner=FcfsPlanner(PlannerConfig(max_num_batched_tokens, args.max_num_seqs)),
         tokenizer=tokenizer,
         max_model_len=max_model_len,

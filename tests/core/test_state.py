@@ -54,6 +54,7 @@ def test_provider_sizes_the_pool_from_the_byte_budget():
     assert spec.bytes_per_page() == 2 * 2 * 2 * 8 * 4 * 4
     provider = PagedKVProvider(spec, budget_bytes=10 * spec.bytes_per_page() + 7, device=torch.device("cpu"))
     assert provider.num_pages == 10 and provider.capacity_tokens == 40
-    assert provider.layer(1).key.shape == (2, 10, 4, 8)  # head-major pages
+    assert provider.layer(1).key.shape == (2, 11, 4, 8)  # head-major pages, plus the scratch page
+    assert provider.scratch_page == 10
     with pytest.raises(ValueError, match="holds no page"):
         PagedKVProvider(spec, budget_bytes=10, device=torch.device("cpu"))

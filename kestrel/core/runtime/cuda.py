@@ -9,7 +9,7 @@ from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo
 
 class CudaRuntime(DeviceRuntime):
     name = "cuda"
-    supports_graphs = False  # graph capture is enabled by the graph component once it exists
+    supports_graphs = True
 
     def __init__(self, index: int = 0) -> None:
         if not torch.cuda.is_available():
