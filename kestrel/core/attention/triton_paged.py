@@ -20,7 +20,7 @@ class TritonPagedBackend(PagedMetadataBinding, AttentionBackend):
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
-        head_dims=frozenset({64, 80, 96, 128, 256}),
+        head_dims=frozenset({16, 32, 64, 80, 96, 128, 256}),  # tl.dot needs at least 16
         sliding_window=True,
         cuda_graphs=True,
         page_sizes=frozenset({16, 32, 64, 128}),
