@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 
 from kestrel.core.recipe import RopeSpec
+from kestrel.layers import ops
 
 
 @lru_cache(maxsize=16)
@@ -47,10 +48,4 @@ def rotary_cos_sin(
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim]; rotates the first rotary_dim channels of each head."""
-    rotary_dim = cos.shape[-1]
-    rotated, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    first, second = rotated[..., :half], rotated[..., half:]
-    rotate_half = torch.cat((-second, first), dim=-1)
-    out = rotated * cos[:, None, :] + rotate_half * sin[:, None, :]
-    return torch.cat((out, passthrough), dim=-1) if passthrough.numel() else out
+    return ops.rotary(x, cos, sin)

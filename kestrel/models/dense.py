@@ -10,6 +10,7 @@ from kestrel.core.attention.base import AttentionLayerSpec
 from kestrel.core.bindings import PackedMapping, WeightBindings
 from kestrel.core.forward import ForwardContext
 from kestrel.core.recipe import ModelSpec, RopeSpec
+from kestrel.layers import ops
 from kestrel.layers.linear import Linear, MergedLinear
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import apply_rotary, rotary_cos_sin
@@ -69,11 +70,13 @@ class DecoderMLP(nn.Module):
         if spec.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {spec.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[spec.hidden_act]
+        self.fused_silu = spec.hidden_act == "silu"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(hidden))
-        # gate is a strided half of the merged output; elementwise kernels run far faster
-        # on a contiguous copy than on the strided view.
+        gate_up = self.gate_up_proj(hidden)
+        if self.fused_silu:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate.contiguous()).mul_(up))
 
 
@@ -86,10 +89,23 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(spec)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, context)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it).
+
+        Each residual add happens inside the next norm, so it costs no pass of its own.
+        """
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, context)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -111,9 +127,10 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.head_dim, hidden.dtype)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, rotary, context)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotary, context)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

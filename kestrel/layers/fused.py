@@ -1,0 +1,145 @@
+"""Fused Triton kernels for the elementwise work between matmuls: RMSNorm (with the residual
+add), rotary embedding, and SiLU-and-multiply.
+
+Each rounds to the activation dtype at the same points as the torch path (and Hugging
+Face), so outputs agree bit for bit in float32 and to the last bf16 ulp otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x_row,
+    stride_x_head,
+    stride_r_row,
+    stride_o_row,
+    stride_o_head,
+    stride_ro_row,
+    num_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < num_cols
+    x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + cols, mask=in_row, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_r_row + cols, mask=in_row, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro_row + cols, x, mask=in_row)
+    x32 = x.to(tl.float32)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / num_cols + eps)
+    normed = (x32 * inverse_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * stride_o_row + head * stride_o_head + cols,
+        (weight * normed).to(out_ptr.dtype.element_ty),
+        mask=in_row,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim of x [rows, dim] or [rows, heads, dim].
+
+    With `residual` (2-D only): returns (norm(x + residual), x + residual).
+    """
+    dim = x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    head_stride = x.stride(1) if x.dim() == 3 else 0
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out_head_stride = out.stride(1) if x.dim() == 3 else 0
+    residual_out = torch.empty_like(x) if residual is not None else out
+    source = residual if residual is not None else x
+    _rms_norm_kernel[(x.shape[0], heads)](
+        x,
+        source,
+        weight,
+        out,
+        residual_out,
+        x.stride(0),
+        head_stride,
+        source.stride(0),
+        out.stride(0),
+        out_head_stride,
+        residual_out.stride(0),
+        dim,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(dim),
+    )
+    return (out, residual_out) if residual is not None else out
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=inside, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (activated * up).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * width] holding gate then up."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_x_token,
+    stride_x_head,
+    stride_cos,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < HALF
+    base = x_ptr + token * stride_x_token + head * stride_x_head
+    first = tl.load(base + cols, mask=inside, other=0.0)
+    second = tl.load(base + HALF + cols, mask=inside, other=0.0)
+    dtype = first.dtype
+    cos_first = tl.load(cos_ptr + token * stride_cos + cols, mask=inside, other=0.0)
+    cos_second = tl.load(cos_ptr + token * stride_cos + HALF + cols, mask=inside, other=0.0)
+    sin_first = tl.load(sin_ptr + token * stride_cos + cols, mask=inside, other=0.0)
+    sin_second = tl.load(sin_ptr + token * stride_cos + HALF + cols, mask=inside, other=0.0)
+    # x * cos + rotate_half(x) * sin, rounding each product and the sum as torch does.
+    new_first = (first * cos_first).to(dtype) + (-second * sin_first).to(dtype)
+    new_second = (second * cos_second).to(dtype) + (first * sin_second).to(dtype)
+    tl.store(base + cols, new_first.to(dtype), mask=inside)
+    tl.store(base + HALF + cols, new_second.to(dtype), mask=inside)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] in place (rotate-half layout, full rotary dim)."""
+    tokens, heads, head_dim = x.shape
+    if tokens:
+        half = head_dim // 2
+        _rotary_kernel[(tokens, heads)](
+            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half)
+        )
+    return x

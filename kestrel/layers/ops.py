@@ -1,0 +1,58 @@
+"""Elementwise ops with two implementations: fused Triton kernels on CUDA, plain torch elsewhere.
+
+The one place that chooses between them, by the tensor's device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+    if x.is_cuda:
+        from kestrel.layers import fused
+
+        return fused.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        summed = x + residual
+        return _torch_rms_norm(summed, weight, eps), summed
+    return _torch_rms_norm(x, weight, eps)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # Same math in one fused kernel: no cast happens between normalising and weighting.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * width] holding gate then up."""
+    if gate_up.is_cuda:
+        from kestrel.layers import fused
+
+        return fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    # The strided half is made contiguous first: elementwise kernels run far faster on it.
+    return F.silu(gate.contiguous()).mul_(up)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by cos/sin [tokens, rotary_dim] (rotate-half layout)."""
+    rotary_dim = cos.shape[-1]
+    if x.is_cuda and rotary_dim == x.shape[-1] and x.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.rotary_(x, cos, sin)
+    rotated, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    first, second = rotated[..., :half], rotated[..., half:]
+    rotate_half = torch.cat((-second, first), dim=-1)
+    out = rotated * cos[:, None, :] + rotate_half * sin[:, None, :]
+    return torch.cat((out, passthrough), dim=-1) if passthrough.numel() else out

@@ -1,0 +1,63 @@
+"""Fused Triton kernels against the torch path (Triton's interpreter on the CPU, compiled on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.layers import fused, ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    else:  # one bf16 ulp apart at most
+        torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(5, 96, dtype=dtype, device=DEVICE)
+    residual = torch.randn(5, 96, dtype=dtype, device=DEVICE)
+    weight = torch.rand(96, dtype=dtype, device=DEVICE) + 0.5
+    close(fused.rms_norm(x, weight, 1e-6), ops._torch_rms_norm(x.cpu(), weight.cpu(), 1e-6).to(DEVICE))
+    normed, summed = fused.rms_norm(x, weight, 1e-6, residual)
+    expected_sum = x.cpu() + residual.cpu()
+    close(summed, expected_sum.to(DEVICE))
+    close(normed, ops._torch_rms_norm(expected_sum, weight.cpu(), 1e-6).to(DEVICE))
+
+
+def test_rms_norm_per_head_on_a_strided_view():
+    torch.manual_seed(1)
+    qkv = torch.randn(4, 3 * 4 * 32, device=DEVICE)
+    query = qkv[:, : 4 * 32].view(4, 4, 32)  # rows of a wider tensor, as the q of a qkv projection
+    weight = torch.rand(32, device=DEVICE) + 0.5
+    close(fused.rms_norm(query, weight, 1e-6), ops._torch_rms_norm(query.cpu(), weight.cpu(), 1e-6).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    torch.manual_seed(2)
+    gate_up = torch.randn(3, 2 * 1100, dtype=dtype, device=DEVICE)  # wider than one block
+    gate, up = gate_up.cpu().float().chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
+    close(fused.silu_and_mul(gate_up), expected.to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_strided_view(dtype):
+    torch.manual_seed(3)
+    qkv = torch.randn(6, (4 + 2 + 2) * 64, dtype=dtype, device=DEVICE)
+    key = qkv[:, 4 * 64 : 6 * 64].view(6, 2, 64)
+    angles = torch.randn(6, 32)
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
+    expected = ops.rotary(key.cpu().clone(), cos, sin)
+    untouched = qkv[:, : 4 * 64].clone()
+    fused.rotary_(key, cos.to(DEVICE), sin.to(DEVICE))
+    close(key, expected.to(DEVICE))
+    assert torch.equal(qkv[:, : 4 * 64], untouched)  # neighbours in the same rows are left alone
