@@ -2,7 +2,8 @@
 
 - `store_kv_kernel`: one program per (token, kv head) writes the new key and value rows.
 - `decode_kernel`: one program per (sequence, kv head); the GROUP query heads sharing that
-  KV head are the rows of one tile, so each KV page is read once per head group.
+  KV head are the rows of one tile, so each KV page is read once per head group. Keys are
+  taken BLOCK_N at a time, across several pages, so each step does a sizeable dot.
 - `prefill_kernel`: one program per (sequence, query head, block of query rows); walks the
   sequence's pages (cached prefix and new tokens alike) with causal and window masks.
 Both attention kernels use an online softmax (FlashAttention-style) in float32.
@@ -43,14 +44,16 @@ def store_kv_kernel(
 
 
 @triton.jit
-def _attend_page(
+def _attend_block(
     query,
     acc,
     row_max,
     row_sum,
     key_cache_ptr,
     value_cache_ptr,
-    page,
+    page_table_row_ptr,
+    positions,
+    in_sequence,
     kv_head,
     visible,
     scale,
@@ -62,17 +65,19 @@ def _attend_page(
     PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One online-softmax update of `acc` with the keys and values of one page."""
+    """One online-softmax update of `acc` with the keys and values at `positions`, which may
+    span several pages (looked up in the sequence's page-table row)."""
     dims = tl.arange(0, BLOCK_D)
+    pages = tl.load(page_table_row_ptr + positions // PAGE, mask=in_sequence, other=0)
     offsets = (
         kv_head * stride_cache_head
-        + page * stride_cache_page
-        + tl.arange(0, PAGE)[:, None] * stride_cache_slot
+        + pages[:, None] * stride_cache_page
+        + (positions % PAGE)[:, None] * stride_cache_slot
         + dims[None, :]
     )
-    in_dim = (dims < HEAD_DIM)[None, :]
-    keys = tl.load(key_cache_ptr + offsets, mask=in_dim, other=0.0)
-    values = tl.load(value_cache_ptr + offsets, mask=in_dim, other=0.0)
+    load_mask = in_sequence[:, None] & (dims < HEAD_DIM)[None, :]
+    keys = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0)
+    values = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0)
     scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -108,6 +113,7 @@ def decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -129,18 +135,21 @@ def decode_kernel(
     first_position = seq_len * 0  # same integer type as the loaded lengths
     if window > 0:
         first_position = tl.maximum(seq_len - window, 0)
-    for page_index in range(first_position // PAGE, tl.cdiv(seq_len, PAGE)):
-        page = tl.load(page_table_ptr + seq * stride_page_table + page_index)
-        positions = page_index * PAGE + tl.arange(0, PAGE)
-        visible = ((positions < seq_len) & (positions >= first_position))[None, :]
-        acc, row_max, row_sum = _attend_page(
+    table_row = page_table_ptr + seq * stride_page_table
+    for block_start in range(first_position // BLOCK_N * BLOCK_N, seq_len, BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        in_sequence = positions < seq_len
+        visible = (in_sequence & (positions >= first_position))[None, :]
+        acc, row_max, row_sum = _attend_block(
             query,
             acc,
             row_max,
             row_sum,
             key_cache_ptr,
             value_cache_ptr,
-            page,
+            table_row,
+            positions,
+            in_sequence,
             kv_head,
             visible,
             scale,
@@ -184,6 +193,7 @@ def prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -211,20 +221,23 @@ def prefill_kernel(
     if window > 0:
         first_position = tl.maximum(cached + block * BLOCK_M - window + 1, 0)
     kv_head = head // GROUP
-    for page_index in range(first_position // PAGE, tl.cdiv(end, PAGE)):
-        page = tl.load(page_table_ptr + seq * stride_page_table + page_index)
-        positions = page_index * PAGE + tl.arange(0, PAGE)
-        visible = positions[None, :] <= query_positions[:, None]
+    table_row = page_table_ptr + seq * stride_page_table
+    for block_start in range(first_position // BLOCK_N * BLOCK_N, end, BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        in_sequence = positions < end
+        visible = (positions[None, :] <= query_positions[:, None]) & in_sequence[None, :]
         if window > 0:
             visible = visible & (positions[None, :] > query_positions[:, None] - window)
-        acc, row_max, row_sum = _attend_page(
+        acc, row_max, row_sum = _attend_block(
             query,
             acc,
             row_max,
             row_sum,
             key_cache_ptr,
             value_cache_ptr,
-            page,
+            table_row,
+            positions,
+            in_sequence,
             kv_head,
             visible,
             scale,

@@ -12,6 +12,7 @@ from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMeta
 from kestrel.core.state import KVLayerCache
 
 PREFILL_BLOCK_M = 64
+KEY_BLOCK = 64  # keys per inner step: several small pages, or one page of 64 or more
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller head groups are padded
 
 
@@ -104,6 +105,7 @@ def decode_attention(
         HEAD_DIM=layer.head_dim,
         BLOCK_D=_block_d(layer.head_dim),
         PAGE=page_size_of(cache),
+        BLOCK_N=key_block(cache),
         PRECISION=_precision(cache),
     )
 
@@ -136,9 +138,14 @@ def prefill_attention(
         BLOCK_D=_block_d(layer.head_dim),
         BLOCK_M=PREFILL_BLOCK_M,
         PAGE=page_size_of(cache),
+        BLOCK_N=key_block(cache),
         PRECISION=_precision(cache),
     )
 
 
 def page_size_of(cache: KVLayerCache) -> int:
     return cache.key.shape[2]
+
+
+def key_block(cache: KVLayerCache) -> int:
+    return max(KEY_BLOCK, page_size_of(cache))
