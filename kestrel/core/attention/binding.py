@@ -1,12 +1,18 @@
-"""Binding shared by the paged backends: a step's plain-data layout -> typed AttentionMetadata."""
+"""What the paged backends share: binding a step's plain-data layout into typed
+AttentionMetadata, and the shape of a forward (store the new KV, then the decode part, then
+the prefill part). A backend supplies only `store`, `decode` and `prefill`."""
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
+from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.graph import GraphPhase
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from kestrel.core.state import KVLayerCache
 
 
 def slot_mapping(layout: BatchLayout) -> list[int]:
@@ -19,10 +25,51 @@ def slot_mapping(layout: BatchLayout) -> list[int]:
     return slots
 
 
-class PagedMetadataBinding:
-    """`bind` for backends that read the paged pool through page tables."""
+class PagedAttentionBackend(AttentionBackend):
+    """A backend that reads the paged pool through page tables."""
 
-    device: torch.device
+    @abstractmethod
+    def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write key, value [tokens, kv_heads, dim] into their slots."""
+
+    @abstractmethod
+    def decode(
+        self,
+        query: torch.Tensor,
+        cache: KVLayerCache,
+        meta: DecodeMetadata,
+        layer: AttentionLayerSpec,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention for the decode rows (the first `meta.num_seqs`), written into `output`."""
+
+    @abstractmethod
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: KVLayerCache,
+        meta: PrefillMetadata,
+        layer: AttentionLayerSpec,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention for the prefill rows, written into `output`."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVLayerCache,
+        metadata: AttentionMetadata,
+        layer: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        self.store(cache, key, value, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.decode is not None:
+            self.decode(query, cache, metadata.decode, layer, output)
+        if metadata.prefill is not None:
+            self.prefill(query, cache, metadata.prefill, layer, output)
+        return output
 
     def bind(self, layout: BatchLayout) -> AttentionMetadata:
         decodes = layout.chunks[: layout.num_decodes]

@@ -9,17 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.core.attention.base import (
-    AttentionBackend,
-    AttentionLayerSpec,
-    BackendCapabilities,
-)
-from kestrel.core.attention.binding import PagedMetadataBinding
-from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
+from kestrel.core.attention.binding import PagedAttentionBackend
+from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
 
 
-class TorchReferenceBackend(PagedMetadataBinding, AttentionBackend):
+class TorchReferenceBackend(PagedAttentionBackend):
     name = "torch"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu", "cuda"}),
@@ -30,23 +26,28 @@ class TorchReferenceBackend(PagedMetadataBinding, AttentionBackend):
         page_sizes=None,
     )
 
-    def forward(
+    def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        store_kv(cache, key, value, slots)
+
+    def decode(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         cache: KVLayerCache,
-        metadata: AttentionMetadata,
+        meta: DecodeMetadata,
         layer: AttentionLayerSpec,
-    ) -> torch.Tensor:
-        store_kv(cache, key, value, metadata.slot_mapping)
-        output = torch.empty_like(query)
-        if metadata.decode is not None:
-            rows = metadata.decode.num_seqs
-            output[:rows] = _decode_attention(query[:rows], cache, metadata.decode, layer)
-        if metadata.prefill is not None:
-            _prefill_attention(query, cache, metadata.prefill, layer, output)
-        return output
+        output: torch.Tensor,
+    ) -> None:
+        output[: meta.num_seqs] = _decode_attention(query[: meta.num_seqs], cache, meta, layer)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: KVLayerCache,
+        meta: PrefillMetadata,
+        layer: AttentionLayerSpec,
+        output: torch.Tensor,
+    ) -> None:
+        _prefill_attention(query, cache, meta, layer, output)
 
 
 def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:

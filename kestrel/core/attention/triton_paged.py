@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec, BackendCapabilities
-from kestrel.core.attention.binding import PagedMetadataBinding
+from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
+from kestrel.core.attention.binding import PagedAttentionBackend
 from kestrel.core.attention.triton_kernels import decode_kernel, prefill_kernel, store_kv_kernel
-from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
 
 PREFILL_BLOCK_M = 64
@@ -16,7 +16,7 @@ KEY_BLOCK = 64  # keys per inner step: several small pages, or one page of 64 or
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller head groups are padded
 
 
-class TritonPagedBackend(PagedMetadataBinding, AttentionBackend):
+class TritonPagedBackend(PagedAttentionBackend):
     name = "triton"
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda"}),
@@ -27,22 +27,28 @@ class TritonPagedBackend(PagedMetadataBinding, AttentionBackend):
         page_sizes=frozenset({16, 32, 64, 128}),
     )
 
-    def forward(
+    def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        store_kv(cache, key, value, slots)
+
+    def decode(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         cache: KVLayerCache,
-        metadata: AttentionMetadata,
+        meta: DecodeMetadata,
         layer: AttentionLayerSpec,
-    ) -> torch.Tensor:
-        store_kv(cache, key, value, metadata.slot_mapping)
-        output = torch.empty_like(query)
-        if metadata.decode is not None:
-            decode_attention(query, cache, metadata.decode, layer, output)
-        if metadata.prefill is not None:
-            prefill_attention(query, cache, metadata.prefill, layer, output)
-        return output
+        output: torch.Tensor,
+    ) -> None:
+        decode_attention(query, cache, meta, layer, output)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: KVLayerCache,
+        meta: PrefillMetadata,
+        layer: AttentionLayerSpec,
+        output: torch.Tensor,
+    ) -> None:
+        prefill_attention(query, cache, meta, layer, output)
 
 
 def _block_d(head_dim: int) -> int:
