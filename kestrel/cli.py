@@ -18,6 +18,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,6 +34,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         load_format=args.load_format,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

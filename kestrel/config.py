@@ -22,6 +22,7 @@ class EngineArgs:
     attention_backend: str | None = None
     tokenizer: str | None = None  # defaults to the model directory
     enforce_eager: bool = False  # never capture CUDA graphs
+    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
 
     def __post_init__(self) -> None:
         checks = [

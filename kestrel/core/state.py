@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.core.prefix_cache import PrefixCache
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -36,34 +38,61 @@ class OutOfPagesError(RuntimeError):
 
 
 class PageAllocator:
-    """Pure-Python page accounting: which request holds which pages. No tensors."""
+    """Pure-Python page accounting: which requests hold which pages. No tensors.
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    A page is free, in use (held by one or more requests: prefix pages are shared, counted
+    by reference), or cached: held by no request but kept in the prefix cache until the
+    pool needs room. free + cached + in use == total, always.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: PrefixCache | None = None) -> None:
         if num_pages <= 0:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.prefix_cache = prefix_cache
         # Pop from the end, so low page ids are handed out first (easier to read in tests).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._refs = [0] * num_pages
         self._owned: dict[str, list[int]] = {}
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def _take_free_page(self) -> int:
+        if not self._free and self.prefix_cache is not None:
+            page = self.prefix_cache.evict(lambda p: self._refs[p] == 0)
+            if page is not None:
+                return page
+        return self._free.pop()
+
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's pages so they hold `num_tokens` tokens; return all its pages."""
         pages = self._owned.setdefault(request_id, [])
         missing = self.pages_needed(num_tokens) - len(pages)
-        if missing > len(self._free):
+        if missing > self.num_available_pages:
             raise OutOfPagesError(
-                f"request {request_id} needs {missing} more KV pages but only {len(self._free)} are free"
+                f"request {request_id} needs {missing} more KV pages but only {self.num_available_pages} are free"
             )
         for _ in range(max(missing, 0)):
-            pages.append(self._free.pop())
+            page = self._take_free_page()
+            self._refs[page] = 1
+            pages.append(page)
         return pages
 
+    def share(self, request_id: str, pages: list[int]) -> None:
+        """Give a request that holds nothing yet the cached pages of its prefix."""
+        if self._owned.get(request_id):
+            raise ValueError(f"request {request_id} already holds pages; share only at admission")
+        for page in pages:
+            self._refs[page] += 1
+        self._owned[request_id] = list(pages)
+
     def release(self, request_id: str) -> None:
-        self._free.extend(reversed(self._owned.pop(request_id, [])))
+        for page in reversed(self._owned.pop(request_id, [])):
+            self._refs[page] -= 1
+            if self._refs[page] == 0 and (self.prefix_cache is None or page not in self.prefix_cache):
+                self._free.append(page)
 
     def pages_of(self, request_id: str) -> list[int]:
         return self._owned.get(request_id, [])
@@ -73,8 +102,17 @@ class PageAllocator:
         return len(self._free)
 
     @property
+    def num_cached_pages(self) -> int:
+        """Pages kept only by the prefix cache: reusable, and evictable when room is needed."""
+        return self.num_pages - self.num_free_pages - self.num_used_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        return self.num_free_pages + self.num_cached_pages
+
+    @property
     def num_used_pages(self) -> int:
-        return sum(len(pages) for pages in self._owned.values())
+        return sum(1 for refs in self._refs if refs > 0)
 
 
 class StateProvider(ABC):
@@ -108,7 +146,9 @@ class KVLayerCache:
 class PagedKVProvider(StateProvider):
     """The paged KV pool for every full-attention layer, sized from an explicit byte budget."""
 
-    def __init__(self, spec: KVCacheSpec, budget_bytes: int, device: torch.device) -> None:
+    def __init__(
+        self, spec: KVCacheSpec, budget_bytes: int, device: torch.device, enable_prefix_caching: bool = False
+    ) -> None:
         num_pages = spec.pages_for_budget(budget_bytes)
         if num_pages < 1:
             raise ValueError(
@@ -116,7 +156,8 @@ class PagedKVProvider(StateProvider):
                 f"{spec.bytes_per_page()} bytes; raise kv_cache_memory_gb"
             )
         self.spec = spec
-        self.allocator = PageAllocator(num_pages, spec.page_size)
+        cache = PrefixCache(spec.page_size) if enable_prefix_caching else None
+        self.allocator = PageAllocator(num_pages, spec.page_size, cache)
         # One page past the allocator's range that no request ever owns: padded rows of a
         # captured graph write their throwaway keys and values there.
         self.scratch_page = num_pages
@@ -146,4 +187,16 @@ class PagedKVProvider(StateProvider):
         self.allocator.release(request_id)
 
     def free_capacity(self) -> int:
-        return self.allocator.num_free_pages
+        return self.allocator.num_available_pages
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.allocator.prefix_cache
+
+    def share(self, request_id: str, pages: list[int]) -> None:
+        self.allocator.share(request_id, pages)
+
+    def cache_prefix(self, request_id: str, token_ids: list[int]) -> None:
+        """Record the request's full pages of `token_ids` (whose KV is computed) for reuse."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(token_ids, self.allocator.pages_of(request_id))

@@ -28,7 +28,10 @@ class EngineStats:
     num_waiting: int
     num_free_pages: int
     num_used_pages: int
+    num_cached_pages: int  # held only by the prefix cache
     num_total_pages: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose KV was reused
 
 
 class LLMEngine:
@@ -40,6 +43,9 @@ class LLMEngine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._seeds = random.Random(args.seed)
+        self._prefix_matches: dict[str, list[int]] = {}  # this step's cache hits of waiting requests
+        self._prefix_queries = 0
+        self._prefix_hits = 0
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -107,10 +113,25 @@ class LLMEngine:
         return self._absorb(plan.scheduled, output.results)
 
     def _queue_state(self) -> QueueState:
+        self._prefix_matches = {r.request_id: self._prefix_match(r) for r in self._waiting}
         return QueueState(
-            waiting=tuple(self._view(r) for r in self._waiting),
+            waiting=tuple(self._waiting_view(r) for r in self._waiting),
             running=tuple(self._view(r) for r in self._running),
         )
+
+    def _prefix_match(self, request: Request) -> list[int]:
+        """Cached pages of the request's prefix; never the whole sequence, whose last token
+        must be computed to give logits, and none when prompt logprobs need every position."""
+        cache = self.parts.kv.prefix_cache
+        if cache is None or request.params.prompt_logprobs is not None:
+            return []
+        usable = (request.num_tokens - 1) // cache.page_size
+        return cache.match(request.token_ids)[:usable]
+
+    def _waiting_view(self, request: Request) -> RequestView:
+        # Cached tokens count as computed: they cost neither token budget nor new pages.
+        cached = len(self._prefix_matches[request.request_id]) * self.parts.kv.spec.page_size
+        return RequestView(request.request_id, request.num_tokens, cached, 0)
 
     def _view(self, request: Request) -> RequestView:
         pages = len(self.parts.kv.allocator.pages_of(request.request_id))
@@ -120,7 +141,7 @@ class LLMEngine:
         for request_id in plan.preempted:  # newest first, so the oldest ends up at the front
             request = self._requests[request_id]
             self._running.remove(request)
-            self.parts.kv.release(request_id)
+            self._release_pages(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             if request.wants_prompt_logprobs:
@@ -129,10 +150,25 @@ class LLMEngine:
         for request_id in plan.admitted:
             request = self._requests[request_id]
             self._waiting.remove(request)
+            self._take_cached_prefix(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self._running.append(request)
+
+    def _take_cached_prefix(self, request: Request) -> None:
+        pages = self._prefix_matches.get(request.request_id, [])
+        if self.parts.kv.prefix_cache is not None:
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += len(pages) * self.parts.kv.spec.page_size
+        if pages:
+            self.parts.kv.share(request.request_id, pages)
+            request.num_computed_tokens = len(pages) * self.parts.kv.spec.page_size
+
+    def _release_pages(self, request: Request) -> None:
+        """Give the request's pages back, leaving its computed full pages in the prefix cache."""
+        self.parts.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
+        self.parts.kv.release(request.request_id)
 
     def _work_for(self, chunk: ScheduledChunk) -> SequenceWork:
         request = self._requests[chunk.request_id]
@@ -163,7 +199,12 @@ class LLMEngine:
         self, scheduled: tuple[ScheduledChunk, ...], results: tuple[SequenceResult, ...]
     ) -> list[RequestOutput]:
         for chunk in scheduled:
-            self._requests[chunk.request_id].num_computed_tokens += chunk.num_new_tokens
+            request = self._requests[chunk.request_id]
+            before = request.num_computed_tokens
+            request.num_computed_tokens += chunk.num_new_tokens
+            if before < request.num_prompt_tokens <= request.num_computed_tokens:
+                # The prompt is in the cache now: later requests with the same prefix can share it.
+                self.parts.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
         outputs = []
         for result in results:
             request = self._requests[result.request_id]
@@ -225,7 +266,7 @@ class LLMEngine:
             self._running.remove(request)
         if request in self._waiting:
             self._waiting.remove(request)
-        self.parts.kv.release(request.request_id)
+        self._release_pages(request)
         self.parts.runner.release(request.request_id)
         del self._requests[request.request_id]
         return self._output(request)
@@ -257,5 +298,8 @@ class LLMEngine:
             num_waiting=len(self._waiting),
             num_free_pages=allocator.num_free_pages,
             num_used_pages=allocator.num_used_pages,
+            num_cached_pages=allocator.num_cached_pages,
             num_total_pages=allocator.num_pages,
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
         )

@@ -155,7 +155,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     )
     model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed)
     tokenizer = load_tokenizer(args, model_dir)
-    kv = PagedKVProvider(spec.kv_cache_spec(dtype, args.page_size), kv_budget_bytes(args, runtime), runtime.device)
+    kv = PagedKVProvider(
+        spec.kv_cache_spec(dtype, args.page_size),
+        kv_budget_bytes(args, runtime),
+        runtime.device,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
     max_model_len = resolve_max_model_len(args, spec, kv)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens

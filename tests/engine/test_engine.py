@@ -23,7 +23,7 @@ def prompts(count: int, length: int, seed: int = 0) -> list[dict]:
 
 def assert_pool_balanced(llm: LLM) -> None:
     stats = llm.engine.stats()
-    assert stats.num_free_pages + stats.num_used_pages == stats.num_total_pages
+    assert stats.num_free_pages + stats.num_cached_pages + stats.num_used_pages == stats.num_total_pages
     assert stats.num_used_pages == 0 and stats.num_running == 0 and stats.num_waiting == 0
 
 

@@ -1,0 +1,81 @@
+"""The prefix tree and page accounting with sharing, without a model."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kestrel.core.prefix_cache import PrefixCache
+from kestrel.core.state import OutOfPagesError, PageAllocator
+
+PAGE = 4
+
+
+def test_match_returns_the_longest_cached_prefix_of_full_pages():
+    cache = PrefixCache(PAGE)
+    cache.insert(list(range(10)), [7, 8, 9])  # the third page is partial: not recorded
+    assert len(cache) == 2
+    assert cache.match(list(range(12))) == [7, 8]
+    assert cache.match([0, 1, 2, 3, 99, 5, 6, 7]) == [7]  # diverges inside the second page
+    assert cache.match([1, 2, 3, 4]) == []
+
+
+def test_insert_keeps_the_existing_page_for_the_same_tokens():
+    cache = PrefixCache(PAGE)
+    cache.insert(list(range(8)), [1, 2])
+    cache.insert(list(range(8)) + [50, 51, 52, 53], [5, 6, 7])  # same first two pages, one more
+    assert cache.match(list(range(8)) + [50, 51, 52, 53]) == [1, 2, 7]
+    assert 5 not in cache and 6 not in cache
+
+
+def test_eviction_takes_least_recently_used_leaves_first():
+    cache = PrefixCache(PAGE)
+    cache.insert([0] * 8, [1, 2])  # 1 -> 2
+    cache.insert([9] * 4, [3])
+    cache.match([0] * 8)  # 1 and 2 are now more recent than 3
+    assert cache.evict(lambda page: True) == 3
+    assert cache.evict(lambda page: page != 2) is None  # leaf 2 is protected, so 1 cannot go either
+    assert cache.evict(lambda page: True) == 2
+    assert cache.evict(lambda page: True) == 1
+
+
+def test_cached_pages_are_reused_and_evicted_only_when_unreferenced():
+    allocator = PageAllocator(num_pages=4, page_size=PAGE, prefix_cache=PrefixCache(PAGE))
+    tokens = list(range(8))
+    pages = allocator.reserve("a", 8)
+    allocator.prefix_cache.insert(tokens, pages)
+    allocator.release("a")
+    assert (allocator.num_free_pages, allocator.num_cached_pages, allocator.num_used_pages) == (2, 2, 0)
+    allocator.share("b", allocator.prefix_cache.match(tokens))
+    assert allocator.num_used_pages == 2 and allocator.num_cached_pages == 0
+    allocator.reserve("c", 8)  # takes the two free pages
+    try:
+        allocator.reserve("d", 4)
+        raise AssertionError("pages held by b must not be evicted")
+    except OutOfPagesError:
+        pass
+    allocator.release("b")
+    assert allocator.reserve("d", 4)  # now an unreferenced cached page is evicted for d
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(1, 6), st.integers(0, 2), st.booleans()), max_size=50))
+def test_free_cached_and_used_always_add_up(operations):
+    cache = PrefixCache(PAGE)
+    allocator = PageAllocator(num_pages=12, page_size=PAGE, prefix_cache=cache)
+    for request_id, length_pages, prefix_kind, release in operations:
+        tokens = [prefix_kind] * (length_pages * PAGE)  # few distinct prefixes, so they are shared
+        if release:
+            cache.insert(tokens, allocator.pages_of(request_id))
+            allocator.release(request_id)
+        elif not allocator.pages_of(request_id):
+            shared = cache.match(tokens)[: length_pages - 1]
+            allocator.share(request_id, shared)
+            try:
+                allocator.reserve(request_id, len(tokens))
+            except OutOfPagesError:
+                allocator.release(request_id)
+        total = allocator.num_free_pages + allocator.num_cached_pages + allocator.num_used_pages
+        assert total == allocator.num_pages and allocator.num_cached_pages >= 0
+        held = {p for r in "abcd" for p in allocator.pages_of(r)}
+        assert not held & set(allocator._free)  # a page in use is never also free
