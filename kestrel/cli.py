@@ -126,6 +126,11 @@ def add_commands(commands: Any) -> None:
     latency.add_argument("--output-json", default=None)
     add_engine_options(latency)
     latency.set_defaults(handler=run_latency)
+    prefix = kinds.add_parser("prefix", help="shared system prompt: prefix caching on vs off")
+    from kestrel.bench.prefix import add_prefix_bench_options, run_prefix_benchmark
+
+    add_prefix_bench_options(prefix)
+    prefix.set_defaults(handler=run_prefix_benchmark)
     serving = kinds.add_parser("serve", help="load an OpenAI-compatible server and measure latencies")
     from kestrel.bench.serve import add_serve_bench_options, run_serve_benchmark
 

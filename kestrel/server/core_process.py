@@ -89,7 +89,14 @@ def _queue_seconds(output: RequestOutput) -> float | None:
 
 def _stats(engine: LLMEngine) -> CoreStats:
     stats = engine.stats()
-    return CoreStats(stats.num_running, stats.num_waiting, stats.num_used_pages, stats.num_total_pages)
+    return CoreStats(
+        stats.num_running,
+        stats.num_waiting,
+        stats.num_used_pages,
+        stats.num_total_pages,
+        stats.prefix_cache_queries,
+        stats.prefix_cache_hits,
+    )
 
 
 def run_engine_core(args: EngineArgs, conn: Connection) -> None:

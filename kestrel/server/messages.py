@@ -69,6 +69,8 @@ class CoreStats:
     num_waiting: int
     num_used_pages: int
     num_total_pages: int
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative tokens reused
 
     @property
     def kv_cache_usage(self) -> float:

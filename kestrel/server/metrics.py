@@ -57,6 +57,19 @@ class ServerMetrics:
             labels + ["finished_reason"],
             registry=self.registry,
         )
+        self.prefix_queries = Counter(
+            "kestrel:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=self.registry,
+        )
+        self.prefix_hits = Counter(
+            "kestrel:prefix_cache_hits",
+            "Prompt tokens whose KV came from the prefix cache.",
+            labels,
+            registry=self.registry,
+        )
+        self._seen_queries = self._seen_hits = 0
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.inter_token = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
@@ -68,6 +81,10 @@ class ServerMetrics:
         self.waiting.labels(label).set(stats.num_waiting)
         self.kv_usage.labels(label).set(stats.kv_cache_usage)
         self.kv_used_pages.labels(label).set(stats.num_used_pages)
+        # The core reports running totals; counters advance by what is new since last time.
+        self.prefix_queries.labels(label).inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
+        self.prefix_hits.labels(label).inc(max(stats.prefix_cache_hits - self._seen_hits, 0))
+        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
 
     def render(self, stats: CoreStats) -> bytes:
         self.observe_stats(stats)

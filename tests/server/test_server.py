@@ -229,6 +229,16 @@ def test_hundred_concurrent_streams_all_complete(server):
     assert "kestrel:time_to_first_token_seconds_count" in metrics
 
 
+def test_prefix_cache_metrics_count_reused_tokens(server):
+    prompt = "A long shared system prompt that several requests begin with. " * 6
+    for _ in range(2):
+        post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2})
+    hits_before = server.metric("prefix_cache_hits_total")
+    post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt + "And then?", "max_tokens": 2})
+    assert server.metric("prefix_cache_hits_total") > hits_before
+    assert server.metric("prefix_cache_queries_total") >= server.metric("prefix_cache_hits_total")
+
+
 def test_bench_serve_measures_this_server(server, tmp_path):
     import subprocess
     import sys
