@@ -20,7 +20,7 @@ COMMON = dict(
 
 
 def _family_configs(vocab_size: int, eos: int) -> dict:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     base = dict(COMMON, vocab_size=vocab_size, eos_token_id=eos, bos_token_id=None, pad_token_id=None)
     llama3_rope = {
@@ -37,10 +37,21 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
         "mistral": MistralConfig(**base, num_key_value_heads=2, sliding_window=48),
         "qwen2": Qwen2Config(**base, num_key_value_heads=2, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**base, num_key_value_heads=2, head_dim=32),
+        "qwen3-moe": Qwen3MoeConfig(
+            **base,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+        "mixtral": MixtralConfig(**base, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     }
 
 
-FAMILIES = ("llama", "llama-mqa-tied", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama-mqa-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral")
 
 
 @lru_cache(maxsize=1)

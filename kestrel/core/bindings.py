@@ -25,7 +25,7 @@ class PackedMapping:
 
     source: str  # e.g. "q_proj"
     target: str  # e.g. "qkv_proj"
-    shard_id: str  # e.g. "q"
+    shard_id: str | None  # e.g. "q"; None for a plain rename
 
 
 @runtime_checkable

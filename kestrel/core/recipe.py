@@ -23,6 +23,21 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """Mixture-of-experts MLPs: how many experts, how many per token, and which layers."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # rescale the top-k weights to sum to one
+    sparse_step: int = 1  # every sparse_step-th layer is sparse...
+    dense_layers: tuple[int, ...] = ()  # ...except these
+
+    def is_sparse(self, index: int) -> bool:
+        return index not in self.dense_layers and (index + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """An architecture's shape, resolved once from `config.json`."""
 
@@ -43,6 +58,10 @@ class ModelSpec:
     sliding_window: int | None = None
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeSpec | None = None
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_sparse(index)
 
     def kv_cache_spec(self, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
         return KVCacheSpec(

@@ -166,7 +166,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
     graphs = None
-    if runtime.supports_graphs and backend.capabilities.cuda_graphs and not args.enforce_eager:
+    # The torch MoE path reads expert counts back to the host, which graph capture forbids.
+    graph_safe = spec.moe is None
+    if runtime.supports_graphs and backend.capabilities.cuda_graphs and graph_safe and not args.enforce_eager:
         graphs = DecodeGraphs(
             model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
         )

@@ -12,6 +12,7 @@ from kestrel.core.forward import ForwardContext
 from kestrel.core.recipe import ModelSpec, RopeSpec
 from kestrel.layers import ops
 from kestrel.layers.linear import Linear, MergedLinear
+from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import apply_rotary, rotary_cos_sin
 
@@ -86,7 +87,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = DecoderAttention(spec, layer_index)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = DecoderMLP(spec)
+        self.mlp = sparse_moe(spec) if spec.is_moe_layer(layer_index) else DecoderMLP(spec)
 
     def forward(
         self,
@@ -137,10 +138,15 @@ class DecoderForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
 
-def decoder_bindings(model: nn.Module, spec: ModelSpec) -> WeightBindings:
+def sparse_moe(spec: ModelSpec) -> SparseMoe:
+    moe = spec.moe
+    return SparseMoe(spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize)
+
+
+def decoder_bindings(model: nn.Module, spec: ModelSpec, extra: tuple[PackedMapping, ...] = ()) -> WeightBindings:
     # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): skip it.
     ignored = ("lm_head.weight",) if spec.tie_word_embeddings else ()
-    return WeightBindings(model, PACKED_MAPPINGS, ignored)
+    return WeightBindings(model, extra + PACKED_MAPPINGS, ignored)
 
 
 def read_rope(hf_config: object) -> RopeSpec:

@@ -27,8 +27,9 @@ def assert_pool_balanced(llm: LLM) -> None:
     assert stats.num_used_pages == 0 and stats.num_running == 0 and stats.num_waiting == 0
 
 
-def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(checkpoint_dir):
-    path = str(checkpoint_dir("qwen3"))
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe", "mixtral"])
+def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(checkpoint_dir, family):
+    path = str(checkpoint_dir(family))
     batch = prompts(8, 40)
     ample = LLM(path, page_size=8, max_num_batched_tokens=128)
     expected = [o.outputs[0].token_ids for o in ample.generate(batch, GREEDY, use_tqdm=False)]

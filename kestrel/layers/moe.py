@@ -1,0 +1,100 @@
+"""Mixture of experts: top-k routing and a grouped expert computation.
+
+Expert weights are stacked at load time (gate and up -> w13 [experts, 2 * inter, hidden];
+down -> w2 [experts, hidden, inter]). Tokens are sorted by expert and each expert runs one
+matmul over all of its tokens: the Python loop is over experts, never over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.core.bindings import PackedMapping, WeightBindingError
+from kestrel.layers.linear import Linear
+
+
+class StackedExpertWeight(nn.Module):
+    """One weight per expert, stacked; each checkpoint tensor is shard "<expert>:<part>"."""
+
+    def __init__(self, num_experts: int, parts: dict[str, int], cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, sum(parts.values()), cols), requires_grad=False)
+        self._rows: dict[str, tuple[int, int]] = {}
+        start = 0
+        for part, size in parts.items():
+            self._rows[part] = (start, size)
+            start += size
+        self._shards = frozenset(f"{e}:{part}" for e in range(num_experts) for part in parts)
+
+    def shard_ids(self) -> frozenset[str]:
+        return self._shards
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str) -> None:
+        if shard_id not in self._shards:
+            raise WeightBindingError(f"no expert shard {shard_id!r}")
+        expert, part = shard_id.split(":")
+        start, size = self._rows[part]
+        target = param.data[int(expert)].narrow(0, start, size)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise WeightBindingError(
+                f"expert shard {shard_id}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}"
+            )
+        target.copy_(tensor)
+
+
+class SparseMoe(nn.Module):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size
+        self.gate = Linear(hidden_size, num_experts)
+        self.experts = nn.Module()
+        self.experts.w13 = StackedExpertWeight(
+            num_experts, {"gate": intermediate_size, "up": intermediate_size}, hidden_size
+        )
+        self.experts.w2 = StackedExpertWeight(num_experts, {"down": hidden_size}, intermediate_size)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts per token and their weights (softmax in float32, as HF does)."""
+        probs = F.softmax(self.gate(hidden), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(hidden.dtype), experts
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(hidden)
+        flat_experts = experts.flatten()
+        order = flat_experts.argsort(stable=True)
+        token_rows = order // self.top_k
+        token_weights = weights.flatten()[order]
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(hidden)
+        w13, w2 = self.experts.w13.weight, self.experts.w2.weight
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_rows[start : start + count]
+            gate, up = F.linear(hidden[rows], w13[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, w2[expert])
+            out.index_add_(0, rows, expert_out * token_weights[start : start + count, None])
+            start += count
+        return out
+
+
+def expert_mappings(num_experts: int, source_prefix: str, names: dict[str, str]) -> list[PackedMapping]:
+    """Checkpoint names `<prefix>.experts.<e>.<name>` -> the stacked weights' shards.
+
+    `names` maps each checkpoint projection name to its part: gate, up or down.
+    """
+    mappings = []
+    for expert in range(num_experts):
+        for name, part in names.items():
+            target = "mlp.experts.w2" if part == "down" else "mlp.experts.w13"
+            mappings.append(PackedMapping(f"{source_prefix}.experts.{expert}.{name}", target, f"{expert}:{part}"))
+    return mappings

@@ -1,0 +1,36 @@
+"""Qwen3MoeForCausalLM: Qwen3's attention with mixture-of-experts MLPs."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kestrel.core.bindings import WeightBindings
+from kestrel.core.recipe import ModelSpec, MoeSpec
+from kestrel.layers.moe import expert_mappings
+from kestrel.models.dense import DenseDecoderRecipe, decoder_bindings, read_dense_spec, reject_sliding_window_layers
+
+
+class Qwen3MoeRecipe(DenseDecoderRecipe):
+    architectures = ("Qwen3MoeForCausalLM",)
+
+    def spec(self, hf_config: object) -> ModelSpec:
+        reject_sliding_window_layers(hf_config, "Qwen3-MoE")
+        moe = MoeSpec(
+            num_experts=hf_config.num_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.moe_intermediate_size,
+            renormalize=bool(hf_config.norm_topk_prob),
+            sparse_step=getattr(hf_config, "decoder_sparse_step", 1) or 1,
+            dense_layers=tuple(getattr(hf_config, "mlp_only_layers", None) or ()),
+        )
+        return read_dense_spec(
+            hf_config,
+            "Qwen3MoeForCausalLM",
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=True,
+            moe=moe,
+        )
+
+    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+        names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+        return decoder_bindings(model, spec, tuple(expert_mappings(spec.moe.num_experts, "mlp", names)))
