@@ -80,6 +80,19 @@ def run_bench(args: argparse.Namespace) -> int:
     return run_throughput_benchmark(args)
 
 
+def add_offline_bench_options(parser: argparse.ArgumentParser, output_len: int) -> None:
+    """What the in-process benchmarks share: the model (a checkpoint or a named dummy shape),
+    the workload lengths, the HF baseline switch, a JSON report, and the engine's options."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model")
+    source.add_argument("--dummy-config")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=output_len)
+    parser.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--output-json", default=None)
+    add_engine_options(parser)
+
+
 def add_commands(commands: Any) -> None:
     generate = commands.add_parser("generate", help="generate text for one or more prompts")
     generate.add_argument("--model", required=True)
@@ -105,26 +118,12 @@ def add_commands(commands: Any) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     throughput = kinds.add_parser("throughput", help="offline throughput against HF generate")
-    source = throughput.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model")
-    source.add_argument("--dummy-config")
+    add_offline_bench_options(throughput, output_len=64)
     throughput.add_argument("--num-prompts", type=int, default=64)
-    throughput.add_argument("--input-len", type=int, default=128)
-    throughput.add_argument("--output-len", type=int, default=64)
-    throughput.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=True)
-    throughput.add_argument("--output-json", default=None)
-    add_engine_options(throughput)
     throughput.set_defaults(handler=run_bench)
     latency = kinds.add_parser("latency", help="one request: decode ms/token vs the bandwidth limit and HF")
-    latency_source = latency.add_mutually_exclusive_group(required=True)
-    latency_source.add_argument("--model")
-    latency_source.add_argument("--dummy-config")
-    latency.add_argument("--input-len", type=int, default=128)
-    latency.add_argument("--output-len", type=int, default=256)
+    add_offline_bench_options(latency, output_len=256)
     latency.add_argument("--hf-output-len", type=int, default=64, help="HF is slow: fewer tokens suffice")
-    latency.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=True)
-    latency.add_argument("--output-json", default=None)
-    add_engine_options(latency)
     latency.set_defaults(handler=run_latency)
     prefix = kinds.add_parser("prefix", help="shared system prompt: prefix caching on vs off")
     from kestrel.bench.prefix import add_prefix_bench_options, run_prefix_benchmark
