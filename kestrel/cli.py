@@ -60,11 +60,17 @@ def run_make_demo_model(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import sys
 
     from kestrel.config import EngineArgs
+    from kestrel.server.engine_client import EngineDeadError
     from kestrel.server.serve import serve
 
-    asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
+    try:
+        asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
+    except EngineDeadError as error:  # the core could not start: say why, without a traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -32,3 +32,12 @@ def test_bad_model_path_is_a_clear_error_not_a_traceback(tmp_path):
     run = kestrel("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
     assert run.returncode == 2
     assert "is not a directory" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_serve_reports_a_bad_engine_option_clearly(tmp_path):
+    made = kestrel("make-demo-model", str(tmp_path / "demo"))
+    assert made.returncode == 0, made.stderr
+    run = kestrel("serve", str(tmp_path / "demo"), "--port", "0", "--max-model-len", "999999")
+    assert run.returncode == 2
+    assert "max_model_len 999999 exceeds the model's max_position_embeddings 2048" in run.stderr
+    assert "Traceback" not in run.stderr
