@@ -75,9 +75,13 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if any(p.top_k for p in params):
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=device).clamp(max=vocab)
-        sorted_desc = logits.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (top_k - 1)[:, None])
+        # Only the largest k in use is needed: topk, not a sort of the whole vocabulary;
+        # rows without top-k keep everything.
+        widest = min(max(p.top_k for p in params), vocab)
+        top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=device)
+        largest = logits.topk(widest, dim=-1).values
+        kth = largest.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        kth = kth.masked_fill((top_k == 0)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)

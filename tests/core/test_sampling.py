@@ -40,6 +40,12 @@ def test_temperature_scales_logits():
     assert torch.allclose(filtered, LOGITS / 0.5)
 
 
+def test_top_k_rows_mixed_with_rows_without_it():
+    filtered = filter_logits(torch.cat([LOGITS, LOGITS]), [SamplingParams(top_k=2), SamplingParams()])
+    assert torch.isinf(filtered[0]).tolist() == [False, False, True, True]
+    assert not torch.isinf(filtered[1]).any()
+
+
 def test_rows_are_filtered_independently():
     filtered = filter_logits(torch.cat([LOGITS, LOGITS]), [SamplingParams(top_k=1), SamplingParams(top_p=0.81)])
     assert torch.isinf(filtered[0]).tolist() == [False, True, True, True]
