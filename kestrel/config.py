@@ -15,7 +15,8 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    kv_cache_memory_gb: float | None = None
+    kv_cache_memory_gb: float | None = None  # explicit KV budget; otherwise sized from free memory
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU this engine may fill
     page_size: int = 16
     seed: int = 0
     load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
@@ -39,6 +40,10 @@ class EngineArgs:
             (
                 self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
                 f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}",
+            ),
+            (
+                0 < self.gpu_memory_utilization <= 1,
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
             ),
         ]
         for ok, message in checks:

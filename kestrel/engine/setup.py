@@ -32,7 +32,6 @@ DTYPES = {
     "float": torch.float32,
 }
 CPU_DEFAULT_KV_BYTES = 1 * GIB
-CUDA_MEMORY_UTILIZATION = 0.9
 CUDA_ACTIVATION_HEADROOM = 2 * GIB
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 
@@ -91,7 +90,7 @@ def kv_budget_bytes(args: EngineArgs, runtime: DeviceRuntime) -> int:
     if runtime.name == "cpu":
         return min(CPU_DEFAULT_KV_BYTES, memory.free_bytes // 4)
     used = memory.total_bytes - memory.free_bytes
-    budget = int(memory.total_bytes * CUDA_MEMORY_UTILIZATION) - used - CUDA_ACTIVATION_HEADROOM
+    budget = int(memory.total_bytes * args.gpu_memory_utilization) - used - CUDA_ACTIVATION_HEADROOM
     if budget <= 0:
         raise ValueError(
             f"no GPU memory is left for the KV cache: {memory.free_bytes / GIB:.1f} GiB free of "

@@ -50,3 +50,17 @@ def test_dummy_weights_of_a_named_shape_need_no_checkpoint():
 def test_unsupported_dtype_is_a_clear_error(checkpoint_dir):
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         LLM(str(checkpoint_dir("llama")), dtype="float8")
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in"),
+        ("kv_cache_memory_gb", 0, "kv_cache_memory_gb must be positive"),
+        ("max_num_seqs", 0, "max_num_seqs must be at least 1"),
+        ("page_size", 0, "page_size must be at least 1"),
+    ],
+)
+def test_invalid_engine_options_name_the_option(checkpoint_dir, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(checkpoint_dir("llama")), **{field: value})
