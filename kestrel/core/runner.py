@@ -168,8 +168,10 @@ class ModelRunner:
             SamplingRow(item.params, self._generator(item), item.prompt_token_ids, item.output_token_ids)
             for item, _ in chosen
         ]
-        index = torch.tensor([row for _, row in chosen], dtype=torch.long, device=logits.device)
-        tokens = self.sampler.sample(logits[index], sampling_rows)
+        row_ids = [row for _, row in chosen]
+        if row_ids != list(range(logits.shape[0])):  # a copy of the logits only when rows are skipped
+            logits = logits[torch.tensor(row_ids, dtype=torch.long, device=logits.device)]
+        tokens = self.sampler.sample(logits, sampling_rows)
         return {item.request_id: token for (item, _), token in zip(chosen, tokens)}
 
     def _prompt_logprobs(

@@ -54,6 +54,7 @@ class PageAllocator:
         # Pop from the end, so low page ids are handed out first (easier to read in tests).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
+        self._num_used = 0  # pages with refs > 0, kept as a count: the planner asks every step
         self._owned: dict[str, list[int]] = {}
 
     def pages_needed(self, num_tokens: int) -> int:
@@ -77,6 +78,7 @@ class PageAllocator:
         for _ in range(max(missing, 0)):
             page = self._take_free_page()
             self._refs[page] = 1
+            self._num_used += 1
             pages.append(page)
         return pages
 
@@ -85,12 +87,14 @@ class PageAllocator:
         if self._owned.get(request_id):
             raise ValueError(f"request {request_id} already holds pages; share only at admission")
         for page in pages:
+            self._num_used += self._refs[page] == 0
             self._refs[page] += 1
         self._owned[request_id] = list(pages)
 
     def release(self, request_id: str) -> None:
         for page in reversed(self._owned.pop(request_id, [])):
             self._refs[page] -= 1
+            self._num_used -= self._refs[page] == 0
             if self._refs[page] == 0 and (self.prefix_cache is None or page not in self.prefix_cache):
                 self._free.append(page)
 
@@ -112,7 +116,7 @@ class PageAllocator:
 
     @property
     def num_used_pages(self) -> int:
-        return sum(1 for refs in self._refs if refs > 0)
+        return self._num_used
 
 
 class StateProvider(ABC):

@@ -120,6 +120,75 @@ def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, p
         start += new
 
 
+STEP_CASES = [
+    (backend, device, page_size, window)
+    for backend in BACKENDS
+    for device in backend_devices(backend)
+    for page_size in supported((4, 16), backend.capabilities.page_sizes)
+    for window in (None, 5)
+]
+
+
+@pytest.mark.parametrize("backend_cls, device, page_size, window", STEP_CASES)
+def test_backend_stays_exact_over_decode_steps_as_the_batch_changes(backend_cls, device, page_size, window):
+    """Backends may carry state between steps (the CPU backend's decode mirror): over many
+    steps, with sequences joining, leaving and being reordered, every output stays exact."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 16
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
+    kv = PagedKVProvider(spec, 256 * spec.bytes_per_page(), torch.device(device))
+    backend = backend_cls(torch.device(device), page_size)
+    contexts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def step(batch: list[tuple[str, int]]) -> None:
+        """One step over `batch` (name, new tokens), decodes first; checks every layer's output."""
+        chunks, queries, new_k, new_v = [], [], [], []
+        for name, new in batch:
+            cached = contexts[name][0].shape[0] if name in contexts else 0
+            k, v = torch.randn(new, kv_heads, dim), torch.randn(new, kv_heads, dim)
+            contexts[name] = (
+                (torch.cat([contexts[name][0], k]), torch.cat([contexts[name][1], v])) if cached else (k, v)
+            )
+            pages = tuple(kv.reserve(name, cached + new))
+            chunks.append(SequenceChunk(new, cached, pages))
+            queries.append(torch.randn(new, heads, dim))
+            new_k.append(k)
+            new_v.append(v)
+        num_decodes = sum(1 for _, new in batch if new == 1)
+        metadata = backend.bind(BatchLayout(tuple(chunks), num_decodes, page_size))
+        for layer_index in range(2):
+            out = backend.forward(
+                torch.cat(queries).to(device),
+                torch.cat(new_k).to(device),
+                torch.cat(new_v).to(device),
+                kv.layer(layer_index),
+                metadata,
+                layer,
+            )
+            start = 0
+            for (name, new), query in zip(batch, queries):
+                cached = contexts[name][0].shape[0] - new
+                expected = dense_reference(query, *contexts[name], cached, layer.scale, window)
+                torch.testing.assert_close(out[start : start + new].cpu(), expected, atol=1e-5, rtol=1e-5)
+                start += new
+
+    step([("a", 9), ("b", 3)])
+    for _ in range(3):
+        step([("a", 1), ("b", 1)])
+    step([("a", 1), ("b", 1), ("c", 5)])  # a prefill joins the decodes
+    for _ in range(2):
+        step([("a", 1), ("b", 1), ("c", 1)])
+    step([("c", 1), ("a", 1)])  # b leaves, the rest reorder
+    kv.release("b")
+    step([("b2", 2)])  # prefill only: on the freed pages
+    for _ in range(page_size + 2):  # across page boundaries
+        step([("c", 1), ("a", 1), ("b2", 1)])
+    for name in ("a", "b2", "c"):
+        kv.release(name)
+    assert kv.free_capacity() == kv.num_pages
+
+
 def test_selection_explains_every_refusal():
     needs = BackendRequirements(device="tpu", dtype=torch.float32, head_dim=64, sliding_window=False, page_size=16)
     with pytest.raises(NoAttentionBackendError, match="torch: device tpu not in"):

@@ -79,3 +79,4 @@ def test_free_cached_and_used_always_add_up(operations):
         assert total == allocator.num_pages and allocator.num_cached_pages >= 0
         held = {p for r in "abcd" for p in allocator.pages_of(r)}
         assert not held & set(allocator._free)  # a page in use is never also free
+        assert allocator.num_used_pages == len(held)  # the running count matches the pages held

@@ -36,17 +36,25 @@ class PagedAttentionBackend(AttentionBackend):
     def decode(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         cache: KVLayerCache,
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
     ) -> None:
-        """Attention for the decode rows (the first `meta.num_seqs`), written into `output`."""
+        """Attention for the decode rows (the first `meta.num_seqs`), written into `output`.
+
+        `key` and `value` are the step's new rows, already stored in `cache`: a backend may
+        read them from either place.
+        """
 
     @abstractmethod
     def prefill(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         cache: KVLayerCache,
         meta: PrefillMetadata,
         layer: AttentionLayerSpec,
@@ -66,9 +74,9 @@ class PagedAttentionBackend(AttentionBackend):
         self.store(cache, key, value, metadata.slot_mapping)
         output = torch.empty_like(query)
         if metadata.decode is not None:
-            self.decode(query, cache, metadata.decode, layer, output)
+            self.decode(query, key, value, cache, metadata.decode, layer, output)
         if metadata.prefill is not None:
-            self.prefill(query, cache, metadata.prefill, layer, output)
+            self.prefill(query, key, value, cache, metadata.prefill, layer, output)
         return output
 
     def bind(self, layout: BatchLayout) -> AttentionMetadata:

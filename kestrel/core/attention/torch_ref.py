@@ -32,6 +32,8 @@ class TorchReferenceBackend(PagedAttentionBackend):
     def decode(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         cache: KVLayerCache,
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
@@ -42,12 +44,14 @@ class TorchReferenceBackend(PagedAttentionBackend):
     def prefill(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         cache: KVLayerCache,
         meta: PrefillMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
     ) -> None:
-        _prefill_attention(query, cache, meta, layer, output)
+        prefill_attention(query, cache, meta, layer, output)
 
 
 def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -57,7 +61,7 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
     cache.value.view(heads, -1, dim).index_copy_(1, slots, value.transpose(0, 1).to(cache.value.dtype))
 
 
-def _gather(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+def gather_pages(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """[heads, num_pages, page, dim] gathered by [rows, width] -> [rows, heads, width*page, dim]."""
     gathered = pages[:, page_table]
     heads, rows, width, page, dim = gathered.shape
@@ -67,8 +71,8 @@ def _gather(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
 def _decode_attention(
     query: torch.Tensor, cache: KVLayerCache, meta: DecodeMetadata, layer: AttentionLayerSpec
 ) -> torch.Tensor:
-    keys = _gather(cache.key, meta.page_table)
-    values = _gather(cache.value, meta.page_table)
+    keys = gather_pages(cache.key, meta.page_table)
+    values = gather_pages(cache.value, meta.page_table)
     key_positions = torch.arange(keys.shape[2], device=query.device)
     seq_lens = meta.seq_lens[:, None]
     mask = key_positions[None, :] < seq_lens
@@ -84,7 +88,7 @@ def _decode_attention(
     return out.reshape(rows, layer.num_heads, layer.head_dim).to(query.dtype)
 
 
-def _prefill_attention(
+def prefill_attention(
     query: torch.Tensor,
     cache: KVLayerCache,
     meta: PrefillMetadata,
@@ -94,8 +98,8 @@ def _prefill_attention(
     for index, (cached, seq_len) in enumerate(zip(meta.num_cached_tokens, meta.seq_lens)):
         start, end = meta.query_start_loc[index], meta.query_start_loc[index + 1]
         table = meta.page_table[index : index + 1]
-        keys = _gather(cache.key, table)[:, :, :seq_len]
-        values = _gather(cache.value, table)[:, :, :seq_len]
+        keys = gather_pages(cache.key, table)[:, :, :seq_len]
+        values = gather_pages(cache.value, table)[:, :, :seq_len]
         query_positions = torch.arange(cached, seq_len, device=query.device)[:, None]
         key_positions = torch.arange(seq_len, device=query.device)[None, :]
         mask = key_positions <= query_positions

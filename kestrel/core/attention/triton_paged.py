@@ -33,6 +33,8 @@ class TritonPagedBackend(PagedAttentionBackend):
     def decode(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         cache: KVLayerCache,
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
@@ -43,6 +45,8 @@ class TritonPagedBackend(PagedAttentionBackend):
     def prefill(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         cache: KVLayerCache,
         meta: PrefillMetadata,
         layer: AttentionLayerSpec,
