@@ -19,6 +19,10 @@ from kestrel.core.state import PagedKVProvider
 from kestrel.core.workspace import Workspace
 from kestrel.sampling_params import SamplingParams
 
+WARM_UP_SEQ_LEN = 1024  # throwaway prompts are at most this long: activations scale with tokens
+WARM_UP_PREFIX = "warm-up-"  # the warm-up runs before any request exists, so ids cannot clash
+WARM_UP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
 
 @dataclass(frozen=True)
 class SequenceWork:
@@ -86,6 +90,50 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)
+
+    def warm_up(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> None:
+        """Run the largest steps the planner may send (a full prefill budget, then a full decode
+        batch) on throwaway sequences, as far as the KV pool holds them.
+
+        This is the profiling forward: it sets the peak activation memory the KV budget must
+        leave room for, compiles kernels and settles the allocators, so the first real
+        requests do not pay for any of that.
+        """
+        page_size = self.kv.spec.page_size
+        seq_len = max(1, min(max_seq_len, WARM_UP_SEQ_LEN, num_tokens))
+        prefills = [seq_len] * min(num_tokens // seq_len, num_seqs)
+        decodes = [1] * min(num_seqs, num_tokens)  # every step keeps to the token budget
+        for step in (prefills, decodes):
+            room = self.kv.free_capacity()
+            fitting = []
+            for length in step:
+                room -= -(-length // page_size)
+                if room < 0:
+                    break
+                fitting.append(length)
+            if fitting:
+                self._throwaway_step(fitting)
+
+    def _throwaway_step(self, lengths: list[int]) -> None:
+        ids = [f"{WARM_UP_PREFIX}{index}" for index in range(len(lengths))]
+        try:
+            work = [
+                SequenceWork(
+                    request_id=request_id,
+                    token_ids=(0,) * length,
+                    num_cached_tokens=0,
+                    page_ids=tuple(self.kv.reserve(request_id, length)),
+                    sample=True,
+                    params=WARM_UP_PARAMS,
+                    seed=0,
+                )
+                for request_id, length in zip(ids, lengths)
+            ]
+            self.execute(work)
+        finally:
+            for request_id in ids:
+                self.kv.release(request_id)
+                self.release(request_id)
 
     @torch.inference_mode()
     def execute(self, work: Sequence[SequenceWork]) -> StepOutput:

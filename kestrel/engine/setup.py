@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from kestrel.core.planner import FcfsPlanner, PlannerConfig
 from kestrel.core.recipe import ModelSpec
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime import DeviceRuntime, create_runtime
-from kestrel.core.state import PagedKVProvider
+from kestrel.core.state import KVCacheSpec, PagedKVProvider
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import recipe_for
 from kestrel.weights.loader import load_model
@@ -32,7 +33,7 @@ DTYPES = {
     "float": torch.float32,
 }
 CPU_DEFAULT_KV_BYTES = 1 * GIB
-CUDA_ACTIVATION_HEADROOM = 2 * GIB
+CUDA_MEMORY_MARGIN = GIB // 2  # past the measured peak: the graph pool, fragmentation
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 
 
@@ -83,20 +84,41 @@ def resolve_dtype(name: str, hf_config: Any, runtime: DeviceRuntime) -> torch.dt
     return DTYPES[name]
 
 
-def kv_budget_bytes(args: EngineArgs, runtime: DeviceRuntime) -> int:
+def kv_budget_bytes(args: EngineArgs, runtime: DeviceRuntime, profile: Callable[[], int]) -> int:
+    """The explicit budget; on the CPU a default share of free memory; on a GPU what
+    `gpu_memory_utilization` leaves after the weights and the peak of a profiling forward."""
     if args.kv_cache_memory_gb is not None:
         return int(args.kv_cache_memory_gb * GIB)
-    memory = runtime.memory_info()
     if runtime.name == "cpu":
-        return min(CPU_DEFAULT_KV_BYTES, memory.free_bytes // 4)
+        return min(CPU_DEFAULT_KV_BYTES, runtime.memory_info().free_bytes // 4)
+    activations = profile()
+    memory = runtime.memory_info()
     used = memory.total_bytes - memory.free_bytes
-    budget = int(memory.total_bytes * args.gpu_memory_utilization) - used - CUDA_ACTIVATION_HEADROOM
+    budget = int(memory.total_bytes * args.gpu_memory_utilization) - used - activations - CUDA_MEMORY_MARGIN
+    logger.info("profiling forward: %.2f GiB of activations at the largest step", activations / GIB)
     if budget <= 0:
         raise ValueError(
             f"no GPU memory is left for the KV cache: {memory.free_bytes / GIB:.1f} GiB free of "
-            f"{memory.total_bytes / GIB:.1f} GiB after loading the model; free the GPU or set kv_cache_memory_gb"
+            f"{memory.total_bytes / GIB:.1f} GiB after loading the model, and the largest step needs "
+            f"{activations / GIB:.1f} GiB; lower max_num_batched_tokens, free the GPU or set kv_cache_memory_gb"
         )
     return budget
+
+
+def profile_activation_bytes(
+    model: torch.nn.Module,
+    backend_cls: type[AttentionBackend],
+    kv_spec: KVCacheSpec,
+    runtime: DeviceRuntime,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_seq_len: int,
+) -> int:
+    """Peak memory of the largest steps, run on a provisional pool just big enough for them."""
+    pages = -(-max_num_batched_tokens // kv_spec.page_size) + max_num_batched_tokens + max_num_seqs
+    kv = PagedKVProvider(kv_spec, pages * kv_spec.bytes_per_page(), runtime.device)
+    runner = ModelRunner(model, backend_cls(runtime.device, kv_spec.page_size), kv, runtime, max_num_batched_tokens)
+    return runtime.peak_bytes_during(lambda: runner.warm_up(max_num_batched_tokens, max_num_seqs, max_seq_len))
 
 
 def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:
@@ -154,15 +176,23 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     )
     model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed)
     tokenizer = load_tokenizer(args, model_dir)
+    default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
+    max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
+    kv_spec = spec.kv_cache_spec(dtype, args.page_size)
+    longest = args.max_model_len or spec.max_position_embeddings
+
+    def profile() -> int:
+        return profile_activation_bytes(
+            model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest
+        )
+
     kv = PagedKVProvider(
-        spec.kv_cache_spec(dtype, args.page_size),
-        kv_budget_bytes(args, runtime),
+        kv_spec,
+        kv_budget_bytes(args, runtime, profile),
         runtime.device,
         enable_prefix_caching=args.enable_prefix_caching,
     )
     max_model_len = resolve_max_model_len(args, spec, kv)
-    default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
-    max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
     graphs = None
     # The torch MoE path reads expert counts back to the host, which graph capture forbids.
@@ -172,13 +202,15 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
             model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
         )
         graphs.capture()
+    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs)
+    runner.warm_up(max_num_batched_tokens, args.max_num_seqs, max_model_len)
     return EngineParts(
         args=args,
         runtime=runtime,
         spec=spec,
         dtype=dtype,
         kv=kv,
-        runner=ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs),
+        runner=runner,
         planner=FcfsPlanner(PlannerConfig(max_num_batched_tokens, args.max_num_seqs)),
         tokenizer=tokenizer,
         max_model_len=max_model_len,

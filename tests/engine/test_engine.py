@@ -10,6 +10,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.bindings import WeightBindingError
+from kestrel.core.runner import ModelRunner
 from kestrel.models.registry import UnsupportedArchitectureError
 from kestrel.weights.loader import MissingWeightsError
 
@@ -186,3 +187,24 @@ def test_abort_frees_pages(qwen3_llm):
     output = engine.abort_request("to-abort")
     assert output.outputs[0].finish_reason == "abort"
     assert_pool_balanced(qwen3_llm)
+
+
+def test_start_up_warm_up_runs_the_largest_steps_and_leaves_nothing_behind(checkpoint_dir, monkeypatch):
+    path = str(checkpoint_dir("qwen3"))
+    steps = []
+    original = ModelRunner.execute
+
+    def recording_execute(self, work):
+        steps.append([len(item.token_ids) for item in work])
+        return original(self, work)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    llm = LLM(path, page_size=8, max_num_batched_tokens=96, max_num_seqs=12, max_model_len=64)
+    monkeypatch.undo()
+    # A full prefill budget in prompts of at most max_model_len, then a full decode batch.
+    assert steps == [[64], [1] * 12]
+    assert_pool_balanced(llm)
+    assert llm.engine.stats().num_cached_pages == 0  # throwaway prompts never enter the prefix cache
+    assert not llm.engine.parts.runner._generators
+    out = llm.generate(prompts(2, 10), GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)

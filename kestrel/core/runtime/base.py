@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,14 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def distributed_backend(self) -> str:
         """The torch.distributed backend for collectives between ranks on this device."""
+
+    def peak_bytes_during(self, run: Callable[[], None]) -> int:
+        """Call `run`; return the most memory it held at once beyond what was allocated before.
+
+        0 where the runtime cannot measure it (the CPU: its budgets are explicit).
+        """
+        run()
+        return 0
 
     def configure_process(self) -> None:
         """Process-wide settings this device wants before the first step; none by default."""

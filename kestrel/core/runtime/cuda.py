@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo
@@ -35,3 +37,13 @@ class CudaRuntime(DeviceRuntime):
 
     def distributed_backend(self) -> str:
         return "nccl"
+
+    def peak_bytes_during(self, run: Callable[[], None]) -> int:
+        self.synchronize()
+        before = torch.cuda.memory_allocated(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        run()
+        self.synchronize()
+        peak = torch.cuda.max_memory_allocated(self._device) - before
+        torch.cuda.empty_cache()  # hand the run's cached blocks back, so memory_info sees them free
+        return peak
