@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.core.bindings import PackedMapping, WeightBindingError
+from kestrel.layers import ops
 from kestrel.layers.linear import Linear
 
 
@@ -80,8 +81,8 @@ class SparseMoe(nn.Module):
             if count == 0:
                 continue
             rows = token_rows[start : start + count]
-            gate, up = F.linear(hidden[rows], w13[expert]).chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate) * up, w2[expert])
+            gate, up = ops.linear(hidden[rows], w13[expert]).chunk(2, dim=-1)
+            expert_out = ops.linear(F.silu(gate) * up, w2[expert])
             out.index_add_(0, rows, expert_out * token_weights[start : start + count, None])
             start += count
         return out

@@ -1,4 +1,5 @@
-"""Elementwise ops with two implementations: fused Triton kernels on CUDA, plain torch elsewhere.
+"""Ops with a device-specific implementation: fused Triton kernels on CUDA, oneDNN matmuls
+and plain torch on the CPU.
 
 The one place that chooses between them, by the tensor's device.
 """
@@ -7,6 +8,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# oneDNN's matmul beats the default BLAS path on the CPU at the small row counts of decode
+# steps (measured on a 2-core Xeon: the 64 x 512 x 64000 LM head, 20.7 -> 17.8 ms).
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), for 2-D `x`."""
+    if _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(

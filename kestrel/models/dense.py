@@ -135,7 +135,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
 
 
 def sparse_moe(spec: ModelSpec) -> SparseMoe:
