@@ -9,15 +9,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# oneDNN's matmul beats the default BLAS path on the CPU at the small row counts of decode
-# steps (measured on a 2-core Xeon: the 64 x 512 x 64000 LM head, 20.7 -> 17.8 ms).
+# oneDNN's matmul beats the default BLAS path on the CPU from about 16 rows (batched decode
+# steps; measured on a 2-core Xeon: the 64 x 512 x 64000 LM head, 20.7 -> 17.8 ms); below
+# that its fixed cost loses to BLAS.
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+_ONEDNN_MIN_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), for 2-D `x`."""
-    if _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dim() == 2:
+    if (
+        _ONEDNN_LINEAR
+        and x.device.type == "cpu"
+        and x.dtype in _ONEDNN_DTYPES
+        and x.dim() == 2
+        and x.shape[0] >= _ONEDNN_MIN_ROWS
+    ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
