@@ -24,7 +24,7 @@ def test_overload_is_503_and_sigterm_aborts_what_is_left(server_model):
         "--max-queue-len",
         "1",
         "--shutdown-timeout",
-        "1",
+        "0.1",
         "--max-model-len",
         "1024",
     )
@@ -45,7 +45,7 @@ def test_overload_is_503_and_sigterm_aborts_what_is_left(server_model):
     finally:
         server.stop()
     assert overflow.status_code == 503 and "overloaded" in overflow.json()["error"]["message"]
-    assert reasons == ["abort"] * 3  # 1000 tokens take longer than the 1 s shutdown timeout
+    assert reasons == ["abort"] * 3  # 1000 tokens take longer than the 0.1 s shutdown timeout
     assert server.process.wait(30) == 0
     time.sleep(0.5)
     status = Path(f"/proc/{core[0]}/status")
