@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
-from kestrel.core.attention.binding import PagedAttentionBackend
-from kestrel.core.attention.torch_ref import gather_pages, prefill_attention, store_kv
+from kestrel.core.attention.torch_ref import TorchReferenceBackend, gather_pages
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
@@ -55,7 +54,10 @@ class DecodeBatch:
         )
 
 
-class TorchCpuBackend(PagedAttentionBackend):
+class TorchCpuBackend(TorchReferenceBackend):
+    """The reference's store and cached-prefix prefill, with a mirrored decode and fresh prefills
+    that skip the pool."""
+
     name = "torch_cpu"
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu"}),
@@ -86,9 +88,6 @@ class TorchCpuBackend(PagedAttentionBackend):
         self._previous = decodes if decodes.seq_lens else None
         return super().bind(layout)
 
-    def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        store_kv(cache, key, value, slots)
-
     def decode(
         self,
         query: torch.Tensor,
@@ -118,7 +117,7 @@ class TorchCpuBackend(PagedAttentionBackend):
         output: torch.Tensor,
     ) -> None:
         if layer.sliding_window is not None or any(meta.num_cached_tokens):
-            prefill_attention(query, cache, meta, layer, output)
+            super().prefill(query, key, value, cache, meta, layer, output)
             return
         # Nothing cached: each sequence's context is exactly its new rows.
         for start, end in zip(meta.query_start_loc, meta.query_start_loc[1:]):
