@@ -99,7 +99,6 @@ class ModelRunner:
         leave room for, compiles kernels and settles the allocators, so the first real
         requests do not pay for any of that.
         """
-        page_size = self.kv.spec.page_size
         seq_len = max(1, min(max_seq_len, WARM_UP_SEQ_LEN, num_tokens))
         prefills = [seq_len] * min(num_tokens // seq_len, num_seqs)
         decodes = [1] * min(num_seqs, num_tokens)  # every step keeps to the token budget
@@ -107,7 +106,7 @@ class ModelRunner:
             room = self.kv.free_capacity()
             fitting = []
             for length in step:
-                room -= -(-length // page_size)
+                room -= self.kv.allocator.pages_needed(length)
                 if room < 0:
                     break
                 fitting.append(length)

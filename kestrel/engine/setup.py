@@ -115,7 +115,9 @@ def profile_activation_bytes(
     max_seq_len: int,
 ) -> int:
     """Peak memory of the largest steps, run on a provisional pool just big enough for them."""
-    pages = -(-max_num_batched_tokens // kv_spec.page_size) + max_num_batched_tokens + max_num_seqs
+    # Each prefill sequence may end on a partly filled page; the decode step runs after those
+    # pages are released and needs one page per sequence.
+    pages = -(-max_num_batched_tokens // kv_spec.page_size) + max_num_seqs
     kv = PagedKVProvider(kv_spec, pages * kv_spec.bytes_per_page(), runtime.device)
     runner = ModelRunner(model, backend_cls(runtime.device, kv_spec.page_size), kv, runtime, max_num_batched_tokens)
     return runtime.peak_bytes_during(lambda: runner.warm_up(max_num_batched_tokens, max_num_seqs, max_seq_len))
