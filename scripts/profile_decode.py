@@ -1,0 +1,132 @@
+"""Where a decode step's time goes on a GPU: graph replay alone against a whole engine step,
+per-kernel CUDA time at one sequence and at a full batch of long contexts, each linear's
+bandwidth at one row, and the host functions of an engine step.
+
+    python scripts/profile_decode.py --out out
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kestrel import LLM, SamplingParams
+from kestrel.core.graph import GraphKey, GraphPhase
+
+
+def replay_ms(graphs, size: int, repeats: int = 50) -> float:
+    graph = graphs._graphs[GraphKey(GraphPhase.DECODE, size)]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def kernel_table(graphs, size: int, path: Path) -> None:
+    """Eager forward of the graphs' body (same kernels), per-kernel CUDA time."""
+    with torch.inference_mode():
+        graphs._forward(size)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graphs._forward(size)
+            torch.cuda.synchronize()
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+
+
+def linear_bandwidth(device: torch.device) -> dict[str, float]:
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
+    results = {}
+    for name, (out_features, in_features) in shapes.items():
+        weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16)
+        x = torch.randn(1, in_features, device=device, dtype=torch.bfloat16)
+        for _ in range(5):
+            F.linear(x, weight)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(100):
+            F.linear(x, weight)
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / 100
+        results[name] = weight.numel() * 2 / seconds / 1e9
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--context", type=int, default=1500)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm = LLM(
+        "llama-3-8b",
+        load_format="dummy",
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=4096,
+        max_num_seqs=256,
+        kv_cache_memory_gb=60,
+    )
+    parts = llm.engine.parts
+    graphs = parts.runner.graphs
+    prompt = {"prompt_token_ids": list(range(1000, 1128))}
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompt, greedy, use_tqdm=False)
+    report: dict[str, object] = {}
+
+    start = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=257, ignore_eos=True), use_tqdm=False)
+    report["engine_decode_ms"] = (time.perf_counter() - start - first) / 256 * 1e3
+    report["replay_ms_1"] = replay_ms(graphs, 1)
+
+    engine = llm.engine
+    engine.add_request("profiled", prompt["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(100):
+        engine.step()
+    profiler.disable()
+    engine.abort_request("profiled")
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    (out / "host_profile.txt").write_text(text.getvalue())
+    kernel_table(graphs, 1, out / "kernels_batch1.txt")
+
+    # A full batch of long contexts: page tables pointing at real (garbage) pages.
+    page_size = parts.kv.spec.page_size
+    pages_per_seq = -(-args.context // page_size)
+    size = graphs.buckets[-1]
+    table = torch.arange(size * pages_per_seq, device="cuda").view(size, pages_per_seq) % (parts.kv.allocator.num_pages - 1)
+    graphs.page_table[:size, :pages_per_seq] = table
+    graphs.seq_lens[:size] = args.context
+    graphs.positions[:size] = args.context - 1
+    graphs.slots[:size] = table[:, -1] * page_size
+    report[f"replay_ms_{size}_ctx{args.context}"] = replay_ms(graphs, size, 20)
+    kernel_table(graphs, size, out / f"kernels_batch{size}.txt")
+    graphs.seq_lens[:size] = 1
+    report[f"replay_ms_{size}_ctx1"] = replay_ms(graphs, size, 20)
+    report["linear_gb_s_at_1_row"] = linear_bandwidth(torch.device("cuda"))
+    print(json.dumps(report, indent=2))
+    (out / "profile.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
