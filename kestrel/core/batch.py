@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -35,6 +37,36 @@ class BatchLayout:
     @property
     def num_tokens(self) -> int:
         return sum(chunk.query_len for chunk in self.chunks)
+
+    def slot_mapping(self) -> np.ndarray:
+        """The flat KV slot (page * page_size + offset) of every new token, in row order."""
+        query_lens = np.array([chunk.query_len for chunk in self.chunks], dtype=np.int64)
+        cached = np.array([chunk.num_cached_tokens for chunk in self.chunks], dtype=np.int64)
+        rows = np.repeat(np.arange(len(self.chunks)), query_lens)
+        first_token_row = np.cumsum(query_lens) - query_lens
+        positions = cached[rows] + np.arange(len(rows)) - first_token_row[rows]
+        pages = page_table(self.chunks)[rows, positions // self.page_size]
+        return pages * self.page_size + positions % self.page_size
+
+
+def page_table(chunks: Sequence[SequenceChunk], fill: int = 0, num_rows: int | None = None) -> np.ndarray:
+    """[num_rows, widest chunk's pages] page ids, padded with `fill`; rows past the chunks
+    hold `fill` alone. Built by row slices: a nested list through `torch.tensor` costs
+    milliseconds at a few hundred long sequences."""
+    width = max(len(chunk.page_ids) for chunk in chunks)
+    table = np.full((num_rows or len(chunks), width), fill, dtype=np.int64)
+    for row, chunk in zip(table, chunks):
+        row[: len(chunk.page_ids)] = chunk.page_ids
+    return table
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host integers onto `device`; through pinned memory on CUDA, so the copy does not
+    wait for the host."""
+    host = torch.from_numpy(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

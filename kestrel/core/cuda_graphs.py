@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from kestrel.core.attention.base import AttentionBackend
-from kestrel.core.batch import BatchLayout
+from kestrel.core.batch import BatchLayout, page_table, to_device
 from kestrel.core.forward import ForwardContext
 from kestrel.core.graph import GraphKey, GraphPhase
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata
@@ -47,8 +48,9 @@ class DecodeGraphs:
         def buffer(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
-        self.input_ids, self.positions, self.slots = buffer(largest), buffer(largest), buffer(largest)
-        self.seq_lens = buffer(largest)
+        # One buffer for the per-row vectors, so a step fills them with one copy.
+        self.vectors = buffer(4, largest)
+        self.input_ids, self.positions, self.slots, self.seq_lens = self.vectors
         self.page_table = buffer(largest, max_pages_per_seq)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
@@ -67,7 +69,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        self._fill_padding(0, self.buckets[-1])
+        scratch = self.kv.scratch_page  # every row a padded one until the first step fills them
+        self.slots.fill_(scratch * self.kv.spec.page_size)
+        self.seq_lens.fill_(1)
+        self.page_table[:, 0] = scratch
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in reversed(self.buckets):  # largest first, so smaller ones fit in its pool
@@ -85,33 +90,26 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def _fill_padding(self, start: int, stop: int) -> None:
-        scratch = self.kv.scratch_page
-        self.input_ids[start:stop] = 0
-        self.positions[start:stop] = 0
-        self.slots[start:stop] = scratch * self.kv.spec.page_size
-        self.seq_lens[start:stop] = 1
-        self.page_table[start:stop, 0] = scratch
-
     def run(self, layout: BatchLayout, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a decode-only step, by replaying the bucket's graph."""
         count = len(layout.chunks)
         size = self.bucket_for(count)
-        page_size = layout.page_size
-        width = max(len(chunk.page_ids) for chunk in layout.chunks)
-        table = [list(c.page_ids) + [self.kv.scratch_page] * (width - len(c.page_ids)) for c in layout.chunks]
-        slots = [
-            c.page_ids[c.num_cached_tokens // page_size] * page_size + c.num_cached_tokens % page_size
-            for c in layout.chunks
-        ]
-        host = torch.tensor([list(token_ids), list(positions), slots, [c.seq_len for c in layout.chunks]])
+        scratch = self.kv.scratch_page
+        # Padded rows decode token 0 at position 0 into the scratch page: one host array and
+        # one copy for the four vectors, padding included, instead of a launch per vector.
+        vectors = np.zeros((4, size), dtype=np.int64)
+        vectors[0, :count] = token_ids
+        vectors[1, :count] = positions
+        table = page_table(layout.chunks, fill=scratch, num_rows=size)
+        cached = vectors[1, :count]  # a decode row's position is its count of cached tokens
+        vectors[2] = scratch * layout.page_size
+        vectors[2, :count] = table[np.arange(count), cached // layout.page_size] * layout.page_size
+        vectors[2, :count] += cached % layout.page_size
+        vectors[3] = 1
+        vectors[3, :count] = cached + 1
         device = self.input_ids.device
-        self.input_ids[:count].copy_(host[0], non_blocking=True)
-        self.positions[:count].copy_(host[1], non_blocking=True)
-        self.slots[:count].copy_(host[2], non_blocking=True)
-        self.seq_lens[:count].copy_(host[3], non_blocking=True)
-        self.page_table[:count, :width].copy_(torch.tensor(table).to(device, non_blocking=True))
-        self._fill_padding(count, size)
+        self.vectors[:, :size].copy_(to_device(vectors, device))
+        self.page_table[:size, : table.shape[1]].copy_(to_device(table, device))
         key = GraphKey(GraphPhase.DECODE, size)
         self._graphs[key].replay()
         return self._logits[key][:count]

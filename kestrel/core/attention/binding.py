@@ -6,23 +6,14 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
+import numpy as np
 import torch
 
 from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec
-from kestrel.core.batch import BatchLayout, SequenceChunk
+from kestrel.core.batch import BatchLayout, SequenceChunk, page_table, to_device
 from kestrel.core.graph import GraphPhase
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
-
-
-def slot_mapping(layout: BatchLayout) -> list[int]:
-    """The flat KV slot (page * page_size + offset) of every new token, in row order."""
-    slots = []
-    for chunk in layout.chunks:
-        for position in range(chunk.num_cached_tokens, chunk.seq_len):
-            page = chunk.page_ids[position // layout.page_size]
-            slots.append(page * layout.page_size + position % layout.page_size)
-    return slots
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -84,18 +75,16 @@ class PagedAttentionBackend(AttentionBackend):
         prefills = layout.chunks[layout.num_decodes :]
         return AttentionMetadata(
             phase=GraphPhase.of(len(decodes), len(prefills)),
-            slot_mapping=self._tensor(slot_mapping(layout)),
+            slot_mapping=to_device(layout.slot_mapping(), self.device),
             decode=self._decode_metadata(decodes) if decodes else None,
             prefill=self._prefill_metadata(prefills, layout.num_decodes) if prefills else None,
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(np.array(values, dtype=np.int64), self.device)
 
     def _page_table(self, chunks: tuple[SequenceChunk, ...]) -> torch.Tensor:
-        width = max(len(chunk.page_ids) for chunk in chunks)
-        rows = [list(chunk.page_ids) + [0] * (width - len(chunk.page_ids)) for chunk in chunks]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return to_device(page_table(chunks), self.device)
 
     def _decode_metadata(self, chunks: tuple[SequenceChunk, ...]) -> DecodeMetadata:
         seq_lens = [chunk.seq_len for chunk in chunks]
