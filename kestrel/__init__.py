@@ -2,8 +2,8 @@
 
 from kestrel.engine.llm import LLM
 from kestrel.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

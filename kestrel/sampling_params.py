@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 # Below this, a temperature means greedy decoding (vLLM's convention).
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request reports while it runs (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # after every new token, everything so far
+    FINAL_ONLY = "final_only"  # once, when it finishes: no per-step copies of a long output
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Accept a single stop string or any iterable, store an immutable tuple.

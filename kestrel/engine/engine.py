@@ -19,7 +19,7 @@ from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.engine.setup import EngineParts, build_engine_parts
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class LLMEngine:
                 request.finish("length")
             if request.status is RequestStatus.FINISHED:
                 outputs.append(self._retire(request))
-            elif result.sampled is not None:
+            elif result.sampled is not None and request.params.output_kind is RequestOutputKind.CUMULATIVE:
                 outputs.append(self._output(request))
         return outputs
 

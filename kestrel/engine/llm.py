@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from kestrel.config import EngineArgs
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.outputs import RequestOutput
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
 PromptInput = str | dict[str, Any]
 
@@ -95,7 +95,8 @@ class LLM:
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             child_id = f"{base}-{index}"
-            self.engine.add_request(child_id, token_ids, params.replace(n=1, seed=seed), prompt=text)
+            child_params = params.replace(n=1, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY)
+            self.engine.add_request(child_id, token_ids, child_params, prompt=text)
             children.append(child_id)
         return children
 

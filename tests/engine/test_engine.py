@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from kestrel import LLM, SamplingParams
+from kestrel import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from kestrel.core.bindings import WeightBindingError
 from kestrel.core.runner import ModelRunner
 from kestrel.models.registry import UnsupportedArchitectureError
@@ -208,3 +208,17 @@ def test_start_up_warm_up_runs_the_largest_steps_and_leaves_nothing_behind(check
     assert not llm.engine.parts.runner._generators
     out = llm.generate(prompts(2, 10), GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
+
+
+def test_final_only_requests_report_once_cumulative_ones_every_token(qwen3_llm):
+    engine = qwen3_llm.engine
+    base = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("cumulative", [1, 2, 3], base)
+    engine.add_request("final", [1, 2, 3], base.replace(output_kind=RequestOutputKind.FINAL_ONLY))
+    reported: dict[str, list[RequestOutput]] = {"cumulative": [], "final": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reported[output.request_id].append(output)
+    assert [len(o.outputs[0].token_ids) for o in reported["cumulative"]] == [1, 2, 3, 4, 5]
+    assert len(reported["final"]) == 1 and reported["final"][0].finished
+    assert reported["final"][0].outputs[0].token_ids == reported["cumulative"][-1].outputs[0].token_ids
