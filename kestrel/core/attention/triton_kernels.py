@@ -1,9 +1,11 @@
 """Triton kernels over the head-major paged KV pool ([kv_heads, pages, page_size, head_dim]).
 
 - `store_kv_kernel`: one program per (token, kv head) writes the new key and value rows.
-- `decode_kernel`: one program per (sequence, kv head); the GROUP query heads sharing that
-  KV head are the rows of one tile, so each KV page is read once per head group. Keys are
-  taken BLOCK_N at a time, across several pages, so each step does a sizeable dot.
+- `decode_kernel`: one program per (sequence, kv head, split); the GROUP query heads sharing
+  that KV head are the rows of one tile, so each KV page is read once per head group. Keys
+  are taken BLOCK_N at a time, across several pages, so each step does a sizeable dot. When
+  a batch has too few (sequence, kv head) pairs to fill the GPU, the keys are split across
+  programs (flash-decoding) and `combine_splits_kernel` merges their partial softmaxes.
 - `prefill_kernel`: one program per (sequence, query head, block of query rows); walks the
   sequence's pages (cached prefix and new tokens alike) with causal and window masks.
 Both attention kernels use an online softmax (FlashAttention-style) in float32.
@@ -106,8 +108,11 @@ def decode_kernel(
     stride_cache_page,
     stride_cache_slot,
     stride_page_table,
+    partial_out_ptr,
+    partial_lse_ptr,
     scale,
     window,
+    num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -115,9 +120,11 @@ def decode_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, BLOCK_D)
@@ -136,9 +143,14 @@ def decode_kernel(
     if window > 0:
         first_position = tl.maximum(seq_len - window, 0)
     table_row = page_table_ptr + seq * stride_page_table
-    for block_start in range(first_position // BLOCK_N * BLOCK_N, seq_len, BLOCK_N):
+    # This program's share of the key blocks: whole blocks, the later splits possibly empty.
+    first_block = first_position // BLOCK_N * BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(seq_len - first_block, BLOCK_N), num_splits)
+    begin = first_block + split * blocks_per_split * BLOCK_N
+    end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
+    for block_start in range(begin, end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
-        in_sequence = positions < seq_len
+        in_sequence = positions < end
         visible = (in_sequence & (positions >= first_position))[None, :]
         acc, row_max, row_sum = _attend_block(
             query,
@@ -162,10 +174,51 @@ def decode_kernel(
             PRECISION,
         )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
+    if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
+        partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        empty = row_sum == 0.0
+        lse = tl.where(empty, float("-inf"), row_max + tl.log(tl.where(empty, 1.0, row_sum)))
+        tl.store(partial_lse_ptr + partial, lse, mask=row_ok)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
+    else:
+        tl.store(
+            out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+
+
+@triton.jit
+def combine_splits_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    stride_out_token,
+    stride_out_head,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One program per (sequence, query head): the splits' outputs weighted by their share
+    of the softmax mass (exp of each split's log-sum-exp)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    in_split = splits < num_splits
+    first = (seq * tl.num_programs(1) + head) * num_splits
+    lse = tl.load(partial_lse_ptr + first + splits, mask=in_split, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
+    mask = in_split[:, None] & (dims < HEAD_DIM)[None, :]
+    parts = tl.load(partial_out_ptr + (first + splits)[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
-        out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+        out_ptr + seq * stride_out_token + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
+        mask=dims < HEAD_DIM,
     )
 
 

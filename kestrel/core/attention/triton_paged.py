@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.binding import PagedAttentionBackend
-from kestrel.core.attention.triton_kernels import decode_kernel, prefill_kernel, store_kv_kernel
+from kestrel.core.attention.triton_kernels import (
+    combine_splits_kernel,
+    decode_kernel,
+    prefill_kernel,
+    store_kv_kernel,
+)
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
 
 PREFILL_BLOCK_M = 64
 KEY_BLOCK = 64  # keys per inner step: several small pages, or one page of 64 or more
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller head groups are padded
+MAX_DECODE_SPLITS = 16
+INTERPRETER_MULTIPROCESSORS = 4  # CPU tensors (Triton's interpreter): small, so tests split
 
 
 class TritonPagedBackend(PagedAttentionBackend):
@@ -90,10 +99,22 @@ def _precision(cache: KVLayerCache) -> str:
 
 
 def decode_attention(
-    query: torch.Tensor, cache: KVLayerCache, meta: DecodeMetadata, layer: AttentionLayerSpec, output: torch.Tensor
+    query: torch.Tensor,
+    cache: KVLayerCache,
+    meta: DecodeMetadata,
+    layer: AttentionLayerSpec,
+    output: torch.Tensor,
+    num_splits: int | None = None,
 ) -> None:
+    """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
+    its lengths, so a captured graph stays valid for every step of its bucket."""
     group = layer.num_heads // layer.num_kv_heads
-    decode_kernel[(meta.num_seqs, layer.num_kv_heads)](
+    splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
+    partial_out = partial_lse = output  # unused without splits
+    if splits > 1:
+        partial_out = query.new_empty((meta.num_seqs, layer.num_heads, splits, layer.head_dim), dtype=torch.float32)
+        partial_lse = query.new_empty((meta.num_seqs, layer.num_heads, splits), dtype=torch.float32)
+    decode_kernel[(meta.num_seqs, layer.num_kv_heads, splits)](
         query,
         cache.key,
         cache.value,
@@ -108,8 +129,11 @@ def decode_attention(
         cache.key.stride(1),
         cache.key.stride(2),
         meta.page_table.stride(0),
+        partial_out,
+        partial_lse,
         layer.scale,
         _window(layer),
+        splits,
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=layer.head_dim,
@@ -117,7 +141,34 @@ def decode_attention(
         PAGE=page_size_of(cache),
         BLOCK_N=key_block(cache),
         PRECISION=_precision(cache),
+        SPLIT=splits > 1,
     )
+    if splits > 1:
+        combine_splits_kernel[(meta.num_seqs, layer.num_heads)](
+            partial_out,
+            partial_lse,
+            output,
+            output.stride(0),
+            output.stride(1),
+            splits,
+            HEAD_DIM=layer.head_dim,
+            BLOCK_D=_block_d(layer.head_dim),
+            SPLITS_PAD=triton.next_power_of_2(splits),
+        )
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key splits per (sequence, kv head): enough programs to give every multiprocessor two,
+    at most MAX_DECODE_SPLITS. Large batches fill the GPU unsplit and skip the combine."""
+    programs = num_seqs * num_kv_heads
+    return max(1, min(MAX_DECODE_SPLITS, 2 * multiprocessors(device) // programs))
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prefill_attention(

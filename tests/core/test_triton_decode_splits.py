@@ -1,0 +1,51 @@
+"""The Triton decode kernel with its keys split across programs (flash-decoding) gives the
+same attention as unsplit, for any number of splits, including splits left empty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.core.attention.base import AttentionLayerSpec
+from kestrel.core.attention.triton_paged import TritonPagedBackend, decode_attention, decode_splits
+from kestrel.core.batch import BatchLayout, SequenceChunk
+from kestrel.core.state import KVCacheSpec, PagedKVProvider
+from tests.core.test_contracts import backend_devices, dense_reference
+
+DEVICES = backend_devices(TritonPagedBackend)
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_split_decode_matches_dense_attention(num_splits, window):
+    torch.manual_seed(0)
+    device = torch.device(DEVICES[0])
+    heads, kv_heads, dim, page_size = 8, 2, 64, 16
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
+    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
+    backend = TritonPagedBackend(device, page_size)
+    lengths = [300, 5, 129]  # context lengths, the new token included
+    contexts = [(torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)) for n in lengths]
+    chunks = []
+    for index, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
+        pages = tuple(kv.reserve(str(index), length))
+        prefill = BatchLayout((SequenceChunk(length, 0, pages),), 0, page_size)
+        metadata = backend.bind(prefill)
+        backend.store(kv.layer(0), keys.to(device), values.to(device), metadata.slot_mapping)
+        chunks.append(SequenceChunk(1, length - 1, pages))
+    decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
+    query = torch.randn(len(lengths), heads, dim)
+    output = torch.empty_like(query).to(device)
+    decode_attention(query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits)
+    for row, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
+        expected = dense_reference(query[row : row + 1], keys, values, length - 1, layer.scale, window)
+        torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_small_batches_split_and_large_ones_do_not():
+    cpu = torch.device("cpu")
+    assert decode_splits(1, 1, cpu) > 1
+    assert decode_splits(256, 8, cpu) == 1
+    assert decode_splits(1, 8, cpu) <= decode_splits(1, 1, cpu)
