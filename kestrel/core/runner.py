@@ -3,6 +3,7 @@ metadata, runs the model and samples; everything else belongs to the engine and 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ class ModelRunner:
         for name in ("input_ids", "positions"):
             self.workspace.reserve(name, max_num_batched_tokens, torch.long)
         backend.allocate(self.workspace)
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, random.Random] = {}
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
@@ -198,10 +199,10 @@ class ModelRunner:
         buffer.copy_(torch.tensor(values, dtype=torch.long))
         return buffer
 
-    def _generator(self, item: SequenceWork) -> torch.Generator:
+    def _generator(self, item: SequenceWork) -> random.Random:
         generator = self._generators.get(item.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.runtime.device).manual_seed(item.seed)
+            generator = random.Random(item.seed)
             self._generators[item.request_id] = generator
         return generator
 

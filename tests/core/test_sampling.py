@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_rows_are_filtered_independently():
 
 
 def row(params: SamplingParams, prompt=(), output=(), seed=0) -> SamplingRow:
-    return SamplingRow(params, torch.Generator().manual_seed(seed), prompt, output)
+    return SamplingRow(params, random.Random(seed), prompt, output)
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
@@ -70,7 +71,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
 
 
 def test_draws_follow_the_distribution():
-    generator = torch.Generator().manual_seed(0)
+    generator = random.Random(0)
     probs = PROBS[None, :].repeat(4000, 1)
     tokens = draw(probs, [generator] * 4000)
     frequencies = torch.bincount(tokens, minlength=4).float() / 4000
@@ -125,8 +126,8 @@ def test_invalid_sampling_params_name_the_field(field, value, message):
 
 
 def test_draws_over_a_large_vocabulary_never_pick_filtered_tokens():
-    generator = torch.Generator().manual_seed(1)
-    logits = torch.randn(8, 1000, generator=generator)
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(1))
+    generator = random.Random(1)
     filtered = filter_logits(logits, [SamplingParams(top_k=5)] * 8)
     allowed = [set(torch.isfinite(row).nonzero()[:, 0].tolist()) for row in filtered]
     probs = filtered.softmax(-1)
