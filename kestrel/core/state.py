@@ -204,3 +204,83 @@ class PagedKVProvider(StateProvider):
         """Record the request's full pages of `token_ids` (whose KV is computed) for reuse."""
         if self.prefix_cache is not None:
             self.prefix_cache.insert(token_ids, self.allocator.pages_of(request_id))
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """The fixed-size state one stack of linear-attention (gated DeltaNet) layers keeps per
+    request: the last inputs of the causal convolution and the recurrent matrix per head."""
+
+    num_layers: int
+    conv_channels: int
+    conv_width: int  # inputs kept: the kernel size minus one
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    conv_dtype: torch.dtype
+    state_dtype: torch.dtype = torch.float32  # the recurrence accumulates: kept in float32
+
+    def bytes_per_slot(self) -> int:
+        conv = self.conv_channels * self.conv_width * torch.empty((), dtype=self.conv_dtype).element_size()
+        state = self.num_heads * self.key_dim * self.value_dim * torch.empty((), dtype=self.state_dtype).element_size()
+        return self.num_layers * (conv + state)
+
+
+@dataclass(frozen=True)
+class RecurrentLayerState:
+    """One linear-attention layer's slots: conv [slots, channels, width] and
+    recurrent [slots, heads, key_dim, value_dim]."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+class RecurrentStateProvider(StateProvider):
+    """One slot per running request, holding every linear-attention layer's state.
+
+    A slot's size does not grow with the sequence, so `reserve` hands out one slot whatever
+    the token count. Slots are not zeroed on reuse: a sequence that starts from its first
+    token starts from zero state by itself (see `RecurrentMetadata.has_state`).
+    """
+
+    def __init__(self, spec: RecurrentStateSpec, num_slots: int, device: torch.device) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the recurrent state pool needs at least one slot, got {num_slots}")
+        self.spec = spec
+        self.num_slots = num_slots
+        self.scratch_slot = num_slots  # owned by no request: padded rows may write there
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._owned: dict[str, int] = {}
+        slots = num_slots + 1
+        conv = torch.zeros(
+            (spec.num_layers, slots, spec.conv_channels, spec.conv_width), dtype=spec.conv_dtype, device=device
+        )
+        recurrent = torch.zeros(
+            (spec.num_layers, slots, spec.num_heads, spec.key_dim, spec.value_dim),
+            dtype=spec.state_dtype,
+            device=device,
+        )
+        self._layers = tuple(RecurrentLayerState(conv[i], recurrent[i]) for i in range(spec.num_layers))
+
+    def layer(self, index: int) -> RecurrentLayerState:
+        return self._layers[index]
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        slot = self._owned.get(request_id)
+        if slot is None:
+            if not self._free:
+                raise OutOfPagesError(f"request {request_id} needs a recurrent state slot but all are taken")
+            slot = self._owned[request_id] = self._free.pop()
+        return [slot]
+
+    def release(self, request_id: str) -> None:
+        slot = self._owned.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def free_capacity(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._owned)
