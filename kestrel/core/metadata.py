@@ -41,3 +41,17 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens], flat KV slot (page * page_size + offset) per token
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+
+
+@dataclass(frozen=True)
+class RecurrentMetadata:
+    """Where each sequence of a step keeps its linear-attention state, in layout order
+    (decodes first). A sequence with no cached tokens starts from zero state, whatever its
+    slot held before."""
+
+    num_decodes: int
+    query_start_loc: tuple[int, ...]  # token row where each sequence starts, plus the end
+    slot_ids: tuple[int, ...]
+    has_state: tuple[bool, ...]
+    slots: torch.Tensor  # [num_seqs], the slot ids on the device
+    has_state_tensor: torch.Tensor  # [num_seqs] bool

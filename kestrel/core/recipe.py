@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from kestrel.core.bindings import WeightBindings
-from kestrel.core.state import KVCacheSpec
+from kestrel.core.state import KVCacheSpec, RecurrentStateSpec
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,30 @@ class MoeSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet layers: key heads (shared by groups of value heads) and the conv kernel."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    grouped_projection: bool  # Qwen3-Next: one qkvz and one ba projection, grouped per key head
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_size + self.value_size
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """An architecture's shape, resolved once from `config.json`."""
 
@@ -59,13 +86,52 @@ class ModelSpec:
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeSpec | None = None
+    shared_expert_size: int = 0  # MoE layers also run one always-on expert of this width
+    # Hybrid stacks: each layer's kind; empty means every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionSpec | None = None
+    partial_rotary_factor: float = 1.0  # rotary embedding on this share of each head
+    attention_output_gate: bool = False  # Qwen3-Next: sigmoid gate on the attention output
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(index)
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_kind(self, index: int) -> str:
+        return self.layer_types[index] if self.layer_types else FULL_ATTENTION
+
+    def kind_index(self, index: int) -> int:
+        """The layer's position among the layers of its kind: its index in its state pool."""
+        kind = self.layer_kind(index)
+        return sum(1 for i in range(index) if self.layer_kind(i) == kind)
+
+    def num_layers_of(self, kind: str) -> int:
+        return sum(1 for i in range(self.num_layers) if self.layer_kind(i) == kind)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_layers_of(LINEAR_ATTENTION) > 0
+
+    def recurrent_state_spec(self, dtype: torch.dtype) -> RecurrentStateSpec | None:
+        linear = self.linear_attention
+        if linear is None or not self.is_hybrid:
+            return None
+        return RecurrentStateSpec(
+            num_layers=self.num_layers_of(LINEAR_ATTENTION),
+            conv_channels=linear.conv_channels,
+            conv_width=linear.conv_kernel - 1,
+            num_heads=linear.num_value_heads,
+            key_dim=linear.key_head_dim,
+            value_dim=linear.value_head_dim,
+            conv_dtype=dtype,
+        )
+
     def kv_cache_spec(self, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
         return KVCacheSpec(
-            num_layers=self.num_layers,
+            num_layers=self.num_layers_of(FULL_ATTENTION),
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=dtype,

@@ -14,9 +14,10 @@ from kestrel.core.attention.base import AttentionBackend
 from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk
 from kestrel.core.cuda_graphs import DecodeGraphs
 from kestrel.core.forward import ForwardContext
+from kestrel.core.metadata import RecurrentMetadata
 from kestrel.core.runtime import DeviceRuntime
 from kestrel.core.sampling import SampledToken, Sampler, SamplingRow, TokenLogprobs, top_logprobs
-from kestrel.core.state import PagedKVProvider
+from kestrel.core.state import PagedKVProvider, RecurrentStateProvider
 from kestrel.core.workspace import Workspace
 from kestrel.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class SequenceWork:
     output_token_ids: Sequence[int] = ()
     # Where prompt logprobs are wanted: the token that follows each of the first positions.
     prompt_logprob_targets: tuple[int, ...] = ()
+    state_slot: int | None = None  # hybrid models: the request's recurrent state slot
 
     @property
     def is_decode(self) -> bool:
@@ -75,8 +77,10 @@ class ModelRunner:
         runtime: DeviceRuntime,
         max_num_batched_tokens: int,
         graphs: DecodeGraphs | None = None,
+        recurrent: RecurrentStateProvider | None = None,
     ) -> None:
         self.model = model
+        self.recurrent = recurrent
         self.graphs = graphs
         self.backend = backend
         self.kv = kv
@@ -126,6 +130,7 @@ class ModelRunner:
                     sample=True,
                     params=WARM_UP_PARAMS,
                     seed=0,
+                    state_slot=self.recurrent.reserve(request_id, length)[0] if self.recurrent else None,
                 )
                 for request_id, length in zip(ids, lengths)
             ]
@@ -133,6 +138,8 @@ class ModelRunner:
         finally:
             for request_id in ids:
                 self.kv.release(request_id)
+                if self.recurrent is not None:
+                    self.recurrent.release(request_id)
                 self.release(request_id)
 
     @torch.inference_mode()
@@ -143,7 +150,7 @@ class ModelRunner:
         if self._fits_graph(ordered):
             logits = self.graphs.run(layout, token_ids, positions)
         else:
-            logits = self._run_eager(layout, token_ids, positions, logits_indices)
+            logits = self._run_eager(layout, ordered, token_ids, positions, logits_indices)
         sampled = self._sample(ordered, rows, logits)
         prompt = self._prompt_logprobs(ordered, rows, logits)
         results = tuple(
@@ -164,16 +171,41 @@ class ModelRunner:
         return all(item.is_decode and item.sample and not item.prompt_logprob_targets for item in ordered)
 
     def _run_eager(
-        self, layout: BatchLayout, token_ids: list[int], positions: list[int], logits_indices: list[int]
+        self,
+        layout: BatchLayout,
+        ordered: list[SequenceWork],
+        token_ids: list[int],
+        positions: list[int],
+        logits_indices: list[int],
     ) -> torch.Tensor:
         inputs = BatchInputs(
             input_ids=self._stage("input_ids", token_ids),
             positions=self._stage("positions", positions),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.runtime.device),
         )
-        context = ForwardContext(self.backend, self.backend.bind(layout), self.kv)
+        context = ForwardContext(
+            self.backend, self.backend.bind(layout), self.kv, self.recurrent, self._bind_recurrent(layout, ordered)
+        )
         hidden = self.model(inputs.input_ids, inputs.positions, context)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _bind_recurrent(self, layout: BatchLayout, ordered: list[SequenceWork]) -> RecurrentMetadata | None:
+        if self.recurrent is None:
+            return None
+        starts = [0]
+        for chunk in layout.chunks:
+            starts.append(starts[-1] + chunk.query_len)
+        slot_ids = tuple(item.state_slot for item in ordered)
+        has_state = tuple(item.num_cached_tokens > 0 for item in ordered)
+        device = self.runtime.device
+        return RecurrentMetadata(
+            num_decodes=layout.num_decodes,
+            query_start_loc=tuple(starts),
+            slot_ids=slot_ids,
+            has_state=has_state,
+            slots=torch.tensor(slot_ids, dtype=torch.long, device=device),
+            has_state_tensor=torch.tensor(has_state, dtype=torch.bool, device=device),
+        )
 
     def _host_inputs(self, ordered: list[SequenceWork]) -> tuple[list[int], list[int], list[int], list[_LogitRows]]:
         """Token ids, positions, the rows whose logits are needed, and which rows are whose."""

@@ -30,6 +30,8 @@ class EngineStats:
     num_used_pages: int
     num_cached_pages: int  # held only by the prefix cache
     num_total_pages: int
+    num_used_state_slots: int  # hybrid models: recurrent state slots held by requests
+    num_total_state_slots: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
 
@@ -169,12 +171,16 @@ class LLMEngine:
         """Give the request's pages back, leaving its computed full pages in the prefix cache."""
         self.parts.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
         self.parts.kv.release(request.request_id)
+        if self.parts.recurrent is not None:
+            self.parts.recurrent.release(request.request_id)
 
     def _work_for(self, chunk: ScheduledChunk) -> SequenceWork:
         request = self._requests[chunk.request_id]
         start = request.num_computed_tokens
         end = start + chunk.num_new_tokens
         pages = self.parts.kv.reserve(request.request_id, end)
+        recurrent = self.parts.recurrent
+        slot = recurrent.reserve(request.request_id, end)[0] if recurrent is not None else None
         params = request.params
         return SequenceWork(
             request_id=request.request_id,
@@ -187,6 +193,7 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids if params.uses_penalties else (),
             output_token_ids=request.output_token_ids if params.uses_penalties else (),
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
+            state_slot=slot,
         )
 
     def _prompt_logprob_targets(self, request: Request, start: int, end: int) -> tuple[int, ...]:
@@ -300,6 +307,8 @@ class LLMEngine:
             num_used_pages=allocator.num_used_pages,
             num_cached_pages=allocator.num_cached_pages,
             num_total_pages=allocator.num_pages,
+            num_used_state_slots=self.parts.recurrent.num_used_slots if self.parts.recurrent else 0,
+            num_total_state_slots=self.parts.recurrent.num_slots if self.parts.recurrent else 0,
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
         )

@@ -18,7 +18,7 @@ from kestrel.core.planner import FcfsPlanner, PlannerConfig
 from kestrel.core.recipe import ModelSpec
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime import DeviceRuntime, create_runtime
-from kestrel.core.state import KVCacheSpec, PagedKVProvider
+from kestrel.core.state import KVCacheSpec, PagedKVProvider, RecurrentStateProvider
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import recipe_for
 from kestrel.weights.loader import load_model
@@ -44,6 +44,7 @@ class EngineParts:
     spec: ModelSpec
     dtype: torch.dtype
     kv: PagedKVProvider
+    recurrent: RecurrentStateProvider | None  # hybrid models' linear-attention state slots
     runner: ModelRunner
     planner: FcfsPlanner
     tokenizer: Any | None
@@ -113,14 +114,28 @@ def profile_activation_bytes(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     max_seq_len: int,
+    recurrent: RecurrentStateProvider | None = None,
 ) -> int:
     """Peak memory of the largest steps, run on a provisional pool just big enough for them."""
     # Each prefill sequence may end on a partly filled page; the decode step runs after those
     # pages are released and needs one page per sequence.
     pages = -(-max_num_batched_tokens // kv_spec.page_size) + max_num_seqs
     kv = PagedKVProvider(kv_spec, pages * kv_spec.bytes_per_page(), runtime.device)
-    runner = ModelRunner(model, backend_cls(runtime.device, kv_spec.page_size), kv, runtime, max_num_batched_tokens)
+    backend = backend_cls(runtime.device, kv_spec.page_size)
+    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, recurrent=recurrent)
     return runtime.peak_bytes_during(lambda: runner.warm_up(max_num_batched_tokens, max_num_seqs, max_seq_len))
+
+
+def recurrent_provider(
+    spec: ModelSpec, dtype: torch.dtype, max_num_seqs: int, runtime: DeviceRuntime
+) -> RecurrentStateProvider | None:
+    """One state slot per request that may run at once, for models with linear-attention layers."""
+    state_spec = spec.recurrent_state_spec(dtype)
+    if state_spec is None:
+        return None
+    provider = RecurrentStateProvider(state_spec, max_num_seqs, runtime.device)
+    logger.info("recurrent state: %d slots of %.1f MiB", max_num_seqs, state_spec.bytes_per_slot() / (1 << 20))
+    return provider
 
 
 def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:
@@ -182,29 +197,33 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     kv_spec = spec.kv_cache_spec(dtype, args.page_size)
     longest = args.max_model_len or spec.max_position_embeddings
+    recurrent = recurrent_provider(spec, dtype, args.max_num_seqs, runtime)
 
     def profile() -> int:
         return profile_activation_bytes(
-            model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest
+            model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest, recurrent
         )
 
     kv = PagedKVProvider(
         kv_spec,
         kv_budget_bytes(args, runtime, profile),
         runtime.device,
-        enable_prefix_caching=args.enable_prefix_caching,
+        # The recurrent state of a hybrid model is kept for running requests only, so a
+        # cached KV prefix would come without the state that goes with it: no caching.
+        enable_prefix_caching=args.enable_prefix_caching and recurrent is None,
     )
     max_model_len = resolve_max_model_len(args, spec, kv)
     backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
     graphs = None
-    # The torch MoE path reads expert counts back to the host, which graph capture forbids.
-    graph_safe = spec.moe is None
+    # The torch MoE path reads expert counts back to the host, which graph capture forbids;
+    # the linear-attention layers loop over prefill sequences on the host.
+    graph_safe = spec.moe is None and recurrent is None
     if runtime.supports_graphs and backend.capabilities.cuda_graphs and graph_safe and not args.enforce_eager:
         graphs = DecodeGraphs(
             model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
         )
         graphs.capture()
-    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs)
+    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs, recurrent)
     runner.warm_up(max_num_batched_tokens, args.max_num_seqs, max_model_len)
     return EngineParts(
         args=args,
@@ -212,6 +231,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         spec=spec,
         dtype=dtype,
         kv=kv,
+        recurrent=recurrent,
         runner=runner,
         planner=FcfsPlanner(PlannerConfig(max_num_batched_tokens, args.max_num_seqs)),
         tokenizer=tokenizer,

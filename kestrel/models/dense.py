@@ -63,11 +63,11 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None) -> None:
         super().__init__()
-        sizes = {"gate": spec.intermediate_size, "up": spec.intermediate_size}
-        self.gate_up_proj = MergedLinear(spec.hidden_size, sizes)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
+        width = intermediate_size or spec.intermediate_size
+        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": width, "up": width})
+        self.down_proj = Linear(width, spec.hidden_size)
         if spec.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {spec.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -81,13 +81,19 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act(gate.contiguous()).mul_(up))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+class ResidualBlock(nn.Module):
+    """norm -> token mixer -> norm -> MLP, with the residual stream carried between layers.
+    A subclass provides the mixer (`mix`) and the MLP."""
+
+    def __init__(self, spec: ModelSpec, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = DecoderAttention(spec, layer_index)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = sparse_moe(spec) if spec.is_moe_layer(layer_index) else DecoderMLP(spec)
+        self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+
+    def mix(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(
         self,
@@ -104,30 +110,44 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, context)
+        hidden = self.mix(hidden, rotary, context)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
+class DecoderLayer(ResidualBlock):
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        super().__init__(spec)
+        self.self_attn = DecoderAttention(spec, layer_index)
+        self.mlp = SparseMoe(*sparse_moe_args(spec)) if spec.is_moe_layer(layer_index) else DecoderMLP(spec)
+
+    def mix(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        return self.self_attn(hidden, rotary, context)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: type[ResidualBlock], norm: type[RMSNorm]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(spec, i) for i in range(spec.num_layers))
+        self.norm = norm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(
+        self, spec: ModelSpec, layer: type[ResidualBlock] = DecoderLayer, norm: type[RMSNorm] = RMSNorm
+    ) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec)
+        self.model = DecoderModel(spec, layer, norm)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.head_dim, hidden.dtype)
+        rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.rotary_dim, hidden.dtype)
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, rotary, context)
@@ -138,9 +158,9 @@ class DecoderForCausalLM(nn.Module):
         return ops.linear(hidden, weight).float()
 
 
-def sparse_moe(spec: ModelSpec) -> SparseMoe:
+def sparse_moe_args(spec: ModelSpec) -> tuple[int, int, int, int, bool]:
     moe = spec.moe
-    return SparseMoe(spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize)
+    return spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize
 
 
 def decoder_bindings(model: nn.Module, spec: ModelSpec, extra: tuple[PackedMapping, ...] = ()) -> WeightBindings:
@@ -149,13 +169,13 @@ def decoder_bindings(model: nn.Module, spec: ModelSpec, extra: tuple[PackedMappi
     return WeightBindings(model, extra + PACKED_MAPPINGS, ignored)
 
 
-def read_rope(hf_config: object) -> RopeSpec:
+def read_rope(hf_config: object, allow_partial: bool = False) -> RopeSpec:
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     scaling = params.get("rope_type", params.get("type", "default"))
     if scaling not in ("default", "linear", "llama3"):
         raise ValueError(f"unsupported rope scaling {scaling!r}; supported: default, linear, llama3")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and not allow_partial:
         raise ValueError("partial rotary embeddings are not supported by the dense decoder")
     return RopeSpec(
         theta=float(theta),
@@ -188,7 +208,7 @@ def read_dense_spec(hf_config: object, architecture: str, **family: object) -> M
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         rms_norm_eps=hf_config.rms_norm_eps,
-        rope=read_rope(hf_config),
+        rope=family.pop("rope", None) or read_rope(hf_config),
         max_position_embeddings=hf_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         hidden_act=getattr(hf_config, "hidden_act", "silu"),

@@ -13,6 +13,8 @@ _RECIPES: dict[str, str] = {
     "Qwen2ForCausalLM": "kestrel.models.qwen2:Qwen2Recipe",
     "Qwen3ForCausalLM": "kestrel.models.qwen3:Qwen3Recipe",
     "Qwen3MoeForCausalLM": "kestrel.models.qwen3_moe:Qwen3MoeRecipe",
+    "Qwen3NextForCausalLM": "kestrel.models.qwen3_next:Qwen3NextRecipe",
+    "Qwen3_5ForCausalLM": "kestrel.models.qwen3_next:Qwen3_5Recipe",
 }
 
 

@@ -1,0 +1,245 @@
+"""Hybrid decoders (Qwen3-Next, Qwen3.5 text): gated DeltaNet linear-attention layers
+interleaved with gated full-attention layers.
+
+The linear layers keep per-request state in a `RecurrentStateProvider` slot; the full
+attention layers use the paged KV pool like any decoder. Norms are Gemma-style (the
+weight is stored as an offset from one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.core.attention.base import AttentionLayerSpec
+from kestrel.core.bindings import PackedMapping, WeightBindingError, WeightBindings
+from kestrel.core.forward import ForwardContext
+from kestrel.core.metadata import RecurrentMetadata
+from kestrel.core.recipe import LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
+from kestrel.core.state import RecurrentLayerState
+from kestrel.layers import ops
+from kestrel.layers.gated_delta import (
+    causal_conv,
+    causal_conv_step,
+    chunked_gated_delta,
+    l2_normalize,
+    recurrent_gated_delta,
+)
+from kestrel.layers.linear import Linear, MergedLinear
+from kestrel.layers.moe import SparseMoe
+from kestrel.layers.norm import RMSNorm
+from kestrel.layers.rotary import apply_rotary
+from kestrel.models.dense import DecoderForCausalLM, DecoderMLP, ResidualBlock, sparse_moe_args
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint weight is the offset from one (zeros mean identity)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight + 1, self.eps, residual)
+
+
+class GatedRMSNorm(RMSNorm):
+    """norm(x) * weight * silu(gate), per value head."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = ops.rms_norm(x, self.weight, self.eps)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class LinearAttentionProjection(MergedLinear):
+    """Every input projection of a DeltaNet layer in one matmul: [q k v | z | b | a].
+
+    Qwen3-Next checkpoints hold two projections grouped per key head (qkvz, then ba); they
+    are regrouped at load time into this layout, so both families run the same forward.
+    """
+
+    def __init__(self, hidden_size: int, linear: LinearAttentionSpec) -> None:
+        heads = linear.num_value_heads
+        super().__init__(hidden_size, {"qkv": linear.conv_channels, "z": linear.value_size, "b": heads, "a": heads})
+        self.linear = linear
+
+    def shard_ids(self) -> frozenset[str]:
+        return frozenset({"qkvz", "ba"}) if self.linear.grouped_projection else super().shard_ids()
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str) -> None:
+        if not self.linear.grouped_projection:
+            return super().load_shard(param, tensor, shard_id)
+        linear, groups = self.linear, self.linear.num_key_heads
+        per_group = linear.num_value_heads // groups
+        if shard_id == "qkvz":
+            value_width = per_group * linear.value_head_dim
+            parts, start = (linear.key_head_dim, linear.key_head_dim, value_width, value_width), 0
+        elif shard_id == "ba":
+            parts, start = (per_group, per_group), linear.conv_channels + linear.value_size
+        else:
+            raise WeightBindingError(f"no shard {shard_id!r} in a grouped linear-attention projection")
+        if tensor.shape[0] != groups * sum(parts):
+            raise WeightBindingError(f"{shard_id}: expected {groups * sum(parts)} rows, got {tensor.shape[0]}")
+        grouped = tensor.view(groups, sum(parts), -1).split(parts, dim=1)
+        regrouped = torch.cat([part.reshape(-1, tensor.shape[-1]) for part in grouped])
+        param.data.narrow(0, start, regrouped.shape[0]).copy_(regrouped)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: ModelSpec, state_index: int) -> None:
+        super().__init__()
+        linear = spec.linear_attention
+        self.linear, self.state_index = linear, state_index
+        self.in_proj = LinearAttentionProjection(spec.hidden_size, linear)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(linear.conv_channels, 1, linear.conv_kernel), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(linear.num_value_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(linear.num_value_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(linear.value_head_dim, spec.rms_norm_eps)
+        self.out_proj = Linear(linear.value_size, spec.hidden_size)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        linear, tokens = self.linear, hidden.shape[0]
+        mixed, gate, b, a = self.in_proj.split(self.in_proj(hidden))
+        state, meta = context.recurrent_state(self.state_index)
+        mixed = self._convolve(mixed, state, meta)
+        query, key, value = mixed.split((linear.key_size, linear.key_size, linear.value_size), dim=-1)
+        group = linear.num_value_heads // linear.num_key_heads
+        query = l2_normalize(query.float().view(tokens, linear.num_key_heads, -1)) * linear.key_head_dim**-0.5
+        key = l2_normalize(key.float().view(tokens, linear.num_key_heads, -1))
+        query, key = query.repeat_interleave(group, dim=1), key.repeat_interleave(group, dim=1)
+        value = value.float().view(tokens, linear.num_value_heads, -1)
+        beta = b.float().sigmoid()
+        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = self._delta(query, key, value, log_decay, beta, state, meta).to(hidden.dtype)
+        out = self.norm(out, gate.reshape(out.shape))
+        return self.out_proj(out.reshape(tokens, linear.value_size))
+
+    def _convolve(self, mixed: torch.Tensor, state: RecurrentLayerState, meta: RecurrentMetadata) -> torch.Tensor:
+        weight = self.conv1d.weight[:, 0, :]
+        out = torch.empty_like(mixed)
+        decodes = meta.num_decodes
+        if decodes:
+            slots = meta.slots[:decodes]
+            prior = _zero_unless(state.conv[slots], meta.has_state_tensor[:decodes])
+            out[:decodes], state.conv[slots] = causal_conv_step(mixed[:decodes], prior, weight)
+        for index in range(decodes, len(meta.slot_ids)):
+            rows = slice(meta.query_start_loc[index], meta.query_start_loc[index + 1])
+            slot = meta.slot_ids[index]
+            prior = state.conv[slot] if meta.has_state[index] else torch.zeros_like(state.conv[slot])
+            out[rows], state.conv[slot] = causal_conv(mixed[rows], prior, weight)
+        return out
+
+    def _delta(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        log_decay: torch.Tensor,
+        beta: torch.Tensor,
+        state: RecurrentLayerState,
+        meta: RecurrentMetadata,
+    ) -> torch.Tensor:
+        out = torch.empty_like(value)
+        decodes = meta.num_decodes
+        if decodes:
+            slots, rows = meta.slots[:decodes], slice(0, decodes)
+            prior = _zero_unless(state.recurrent[slots], meta.has_state_tensor[:decodes])
+            out[rows], state.recurrent[slots] = recurrent_gated_delta(
+                query[rows], key[rows], value[rows], log_decay[rows], beta[rows], prior
+            )
+        for index in range(decodes, len(meta.slot_ids)):
+            rows = slice(meta.query_start_loc[index], meta.query_start_loc[index + 1])
+            slot = meta.slot_ids[index]
+            prior = state.recurrent[slot] if meta.has_state[index] else torch.zeros_like(state.recurrent[slot])
+            out[rows], state.recurrent[slot] = chunked_gated_delta(
+                query[rows], key[rows], value[rows], log_decay[rows], beta[rows], prior
+            )
+        return out
+
+
+def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Zero the states of sequences that start fresh (their slot may hold a previous owner's)."""
+    return torch.where(keep.view(-1, *([1] * (states.dim() - 1))), states, torch.zeros((), dtype=states.dtype))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate, Gemma-style q/k norms and partial rotary."""
+
+    def __init__(self, spec: ModelSpec, kv_index: int) -> None:
+        super().__init__()
+        self.kv_index, self.rotary_dim = kv_index, spec.rotary_dim
+        self.layer_spec = AttentionLayerSpec(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, spec.sliding_window
+        )
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": 2 * q_size, "k": kv_size, "v": kv_size})
+        self.o_proj = Linear(q_size, spec.hidden_size)
+        self.q_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        spec, tokens = self.layer_spec, hidden.shape[0]
+        query_gate, key, value = self.qkv_proj.split(self.qkv_proj(hidden))
+        # Each head's projection holds its query, then its gate.
+        query, gate = query_gate.view(tokens, spec.num_heads, 2 * spec.head_dim).chunk(2, dim=-1)
+        query = self.q_norm(query.contiguous())
+        key = self.k_norm(key.reshape(tokens, spec.num_kv_heads, spec.head_dim))
+        value = value.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        attended = context.attend(self.kv_index, query, key, value, spec)
+        gated = attended.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(gated)
+
+
+class SharedExpertMoe(SparseMoe):
+    """Routed experts plus one always-on expert scaled by a learned sigmoid gate."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(*sparse_moe_args(spec))
+        self.shared_expert = DecoderMLP(spec, spec.shared_expert_size)
+        self.shared_expert_gate = Linear(spec.hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return super().forward(hidden) + shared
+
+
+class HybridDecoderLayer(ResidualBlock):
+    def __init__(self, spec: ModelSpec, index: int) -> None:
+        super().__init__(spec, OffsetRMSNorm)
+        self.is_linear = spec.layer_kind(index) == LINEAR_ATTENTION
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(spec, spec.kind_index(index))
+        else:
+            self.self_attn = GatedAttention(spec, spec.kind_index(index))
+        if spec.is_moe_layer(index):
+            self.mlp = SharedExpertMoe(spec) if spec.shared_expert_size else SparseMoe(*sparse_moe_args(spec))
+        else:
+            self.mlp = DecoderMLP(spec)
+
+    def mix(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext):
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        return mixer(hidden, rotary, context)
+
+
+class HybridForCausalLM(DecoderForCausalLM):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(spec, HybridDecoderLayer, OffsetRMSNorm)
+
+
+HYBRID_MAPPINGS = (
+    PackedMapping("in_proj_qkvz", "in_proj", "qkvz"),
+    PackedMapping("in_proj_ba", "in_proj", "ba"),
+    PackedMapping("in_proj_qkv", "in_proj", "qkv"),
+    PackedMapping("in_proj_z", "in_proj", "z"),
+    PackedMapping("in_proj_b", "in_proj", "b"),
+    PackedMapping("in_proj_a", "in_proj", "a"),
+)
+
+
+def hybrid_bindings(model: nn.Module, spec: ModelSpec, extra: tuple[PackedMapping, ...] = ()) -> WeightBindings:
+    from kestrel.models.dense import decoder_bindings
+
+    return decoder_bindings(model, spec, extra + HYBRID_MAPPINGS)
