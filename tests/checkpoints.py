@@ -19,8 +19,31 @@ COMMON = dict(
 )
 
 
+# Linear-attention layers around a full-attention one; two value heads per key head.
+HYBRID = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=2,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+
+
 def _family_configs(vocab_size: int, eos: int) -> dict:
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
     base = dict(COMMON, vocab_size=vocab_size, eos_token_id=eos, bos_token_id=None, pad_token_id=None)
     llama3_rope = {
@@ -48,10 +71,21 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
             mlp_only_layers=[1],
         ),
         "mixtral": MixtralConfig(**base, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3-next": Qwen3NextConfig(
+            **dict(base, **HYBRID),
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[2],
+        ),
+        "qwen3.5": Qwen3_5TextConfig(**dict(base, **HYBRID)),
     }
 
 
-FAMILIES = ("llama", "llama-mqa-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral")
+FAMILIES = ("llama", "llama-mqa-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "qwen3-next", "qwen3.5")
+HYBRID_FAMILIES = ("qwen3-next", "qwen3.5")
 
 
 @lru_cache(maxsize=1)

@@ -134,6 +134,14 @@ class StateProvider(ABC):
     def free_capacity(self) -> int:
         """Free units (pages or slots) left in the pool."""
 
+    @abstractmethod
+    def total_capacity(self) -> int:
+        """Units in the pool; free + held by requests (+ cached, for KV pages) == total."""
+
+    @abstractmethod
+    def held_by(self, request_id: str) -> list[int]:
+        """The units the request holds now; empty for unknown requests."""
+
 
 @dataclass(frozen=True)
 class KVLayerCache:
@@ -192,6 +200,12 @@ class PagedKVProvider(StateProvider):
 
     def free_capacity(self) -> int:
         return self.allocator.num_available_pages
+
+    def total_capacity(self) -> int:
+        return self.allocator.num_pages
+
+    def held_by(self, request_id: str) -> list[int]:
+        return list(self.allocator.pages_of(request_id))
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -280,6 +294,13 @@ class RecurrentStateProvider(StateProvider):
 
     def free_capacity(self) -> int:
         return len(self._free)
+
+    def total_capacity(self) -> int:
+        return self.num_slots
+
+    def held_by(self, request_id: str) -> list[int]:
+        slot = self._owned.get(request_id)
+        return [] if slot is None else [slot]
 
     @property
     def num_used_slots(self) -> int:

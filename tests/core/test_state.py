@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kestrel.core.state import KVCacheSpec, OutOfPagesError, PageAllocator, PagedKVProvider
+from kestrel.core.state import (
+    KVCacheSpec,
+    OutOfPagesError,
+    PageAllocator,
+    PagedKVProvider,
+    RecurrentStateProvider,
+    RecurrentStateSpec,
+)
 
 
 def balanced(allocator: PageAllocator) -> bool:
@@ -58,3 +65,68 @@ def test_provider_sizes_the_pool_from_the_byte_budget():
     assert provider.scratch_page == 10
     with pytest.raises(ValueError, match="holds no page"):
         PagedKVProvider(spec, budget_bytes=10, device=torch.device("cpu"))
+
+
+# ---- the StateProvider contract, for every provider ---------------------------------------
+
+
+def kv_provider(units: int) -> PagedKVProvider:
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=4)
+    return PagedKVProvider(spec, units * spec.bytes_per_page(), torch.device("cpu"))
+
+
+def recurrent_provider(units: int) -> RecurrentStateProvider:
+    spec = RecurrentStateSpec(
+        num_layers=2, conv_channels=6, conv_width=3, num_heads=2, key_dim=4, value_dim=4, conv_dtype=torch.float32
+    )
+    return RecurrentStateProvider(spec, units, torch.device("cpu"))
+
+
+PROVIDERS = [kv_provider, recurrent_provider]
+
+
+@pytest.mark.parametrize("make", PROVIDERS)
+def test_provider_reserves_for_a_request_and_release_gives_everything_back(make):
+    provider = make(6)
+    assert provider.free_capacity() == provider.total_capacity() == 6
+    first = provider.reserve("a", 3)
+    assert first and provider.held_by("a") == first
+    grown = provider.reserve("a", 8)
+    assert grown[: len(first)] == first  # growing never moves what is held
+    assert provider.free_capacity() == 6 - len(grown)
+    provider.release("a")
+    provider.release("a")  # a second release, like one of an unknown request, does nothing
+    assert provider.held_by("a") == [] and provider.free_capacity() == 6
+
+
+@pytest.mark.parametrize("make", PROVIDERS)
+def test_provider_refuses_what_it_cannot_hold_without_side_effects(make):
+    provider = make(1)
+    provider.reserve("a", 4)
+    with pytest.raises(OutOfPagesError):
+        provider.reserve("b", 4)
+    assert provider.held_by("b") == [] and provider.free_capacity() == 0
+
+
+@pytest.mark.parametrize("make", PROVIDERS)
+@settings(max_examples=100, deadline=None)
+@given(operations=st.lists(st.tuples(st.sampled_from("abcd"), st.integers(1, 24), st.booleans()), max_size=40))
+def test_provider_accounting_balances_after_any_operations(make, operations):
+    provider = make(8)
+    for request_id, tokens, release in operations:
+        if release:
+            provider.release(request_id)
+        else:
+            with contextlib.suppress(OutOfPagesError):
+                provider.reserve(request_id, tokens)
+        held = [unit for r in "abcd" for unit in provider.held_by(r)]
+        assert len(held) == len(set(held))  # no unit has two owners
+        assert provider.free_capacity() + len(held) == provider.total_capacity()
+
+
+def test_recurrent_slots_are_sized_by_layer_and_leave_a_scratch_slot():
+    provider = recurrent_provider(3)
+    layer = provider.layer(1)
+    assert layer.conv.shape == (4, 6, 3) and layer.recurrent.shape == (4, 2, 4, 4)
+    assert layer.recurrent.dtype == torch.float32 and provider.scratch_slot == 3
+    assert provider.spec.bytes_per_slot() == 2 * (6 * 3 * 4 + 2 * 4 * 4 * 4)
