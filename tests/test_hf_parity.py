@@ -46,7 +46,7 @@ def test_greedy_matches_hf_with_chunked_mixed_batches(family, device, checkpoint
     )
     if device == "cuda":  # the fast path: Triton kernels, replayed from CUDA graphs where the model allows
         assert llm.engine.parts.runner.backend.name == "triton"
-        assert (llm.engine.parts.runner.graphs is None) == (llm.engine.parts.spec.moe is not None)
+        assert (llm.engine.parts.runner.graphs is None) == llm.engine.parts.spec.is_hybrid
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):

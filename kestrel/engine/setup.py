@@ -215,9 +215,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     max_model_len = resolve_max_model_len(args, spec, kv)
     backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
     graphs = None
-    # The torch MoE path reads expert counts back to the host, which graph capture forbids;
-    # the linear-attention layers loop over prefill sequences on the host.
-    graph_safe = spec.moe is None and recurrent is None
+    # The linear-attention layers loop over prefill sequences on the host.
+    graph_safe = recurrent is None
     if runtime.supports_graphs and backend.capabilities.cuda_graphs and graph_safe and not args.enforce_eager:
         graphs = DecodeGraphs(
             model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)

@@ -69,6 +69,14 @@ class SparseMoe(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(hidden)
+        if hidden.is_cuda:
+            from kestrel.layers.fused_moe import fused_moe
+
+            return fused_moe(hidden, self.experts.w13.weight, self.experts.w2.weight, weights, experts)
+        return self.grouped(hidden, weights, experts)
+
+    def grouped(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The torch path: one matmul per expert over its tokens (reads counts to the host)."""
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
         token_rows = order // self.top_k
