@@ -57,7 +57,7 @@ def test_greedy_matches_hf_with_chunked_mixed_batches(family, device, checkpoint
             assert completion.logprobs[position][token].logprob == pytest.approx(float(score[token]), abs=1e-4)
             assert completion.logprobs[position][token].rank == 1
     stats = llm.engine.stats()
-    assert stats.num_used_pages == 0
+    assert stats.num_used_pages == stats.num_used_state_slots == 0
     assert stats.num_free_pages + stats.num_cached_pages == stats.num_total_pages
 
 
