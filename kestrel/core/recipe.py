@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kestrel.core.bindings import WeightBindings
+from kestrel.core.parallel import TensorParallel
 from kestrel.core.state import KVCacheSpec, RecurrentStateSpec
 
 FULL_ATTENTION = "full_attention"
@@ -160,8 +161,8 @@ class ModelRecipe(Protocol):
         """Read the HF config into a `ModelSpec`; raise ValueError for unsupported variants."""
         ...
 
-    def build(self, spec: ModelSpec) -> nn.Module:
-        """Build the module; called under a device context (the meta device when loading)."""
+    def build(self, spec: ModelSpec, parallel: TensorParallel) -> nn.Module:
+        """Build the module (this rank's shard of it); called under the meta device."""
         ...
 
     def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:

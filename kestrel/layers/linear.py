@@ -1,11 +1,15 @@
-"""Linear layers; merged ones know how to load each stacked shard into its slice."""
+"""Linear layers. Sharded ones (column- and row-parallel) know which slice of each
+checkpoint tensor the rank holds and load it there; merged ones stack several tensors."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kestrel.core.bindings import WeightBindingError
+from kestrel.core.parallel import TensorParallel
 from kestrel.layers import ops
 
 
@@ -19,31 +23,90 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several projections of one input stacked along the output (q,k,v -> qkv; gate,up)."""
+@dataclass(frozen=True)
+class ShardSlice:
+    """The rows [start, start + size) of a checkpoint tensor of `total` rows that this rank
+    holds. Rows past `total` (padding of an uneven split) are zero."""
 
-    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes.values()), bias)
-        self.output_sizes = dict(output_sizes)
-        offsets, start = {}, 0
-        for shard_id, size in output_sizes.items():
-            offsets[shard_id] = (start, size)
-            start += size
-        self._offsets = offsets
+    start: int
+    size: int
+    total: int
 
-    def shard_ids(self) -> frozenset[str]:
-        return frozenset(self._offsets)
+    @classmethod
+    def whole(cls, size: int) -> ShardSlice:
+        return cls(0, size, size)
 
-    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str) -> None:
-        if shard_id not in self._offsets:
-            raise WeightBindingError(f"no shard {shard_id!r} in a merged layer of {list(self._offsets)}")
-        start, size = self._offsets[shard_id]
-        target = param.data.narrow(0, start, size)
-        if tuple(target.shape) != tuple(tensor.shape):
+    def take(self, tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        if tensor.dim() <= dim or tensor.shape[dim] != self.total:
             raise WeightBindingError(
-                f"shape mismatch for shard {shard_id}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}"
+                f"shape mismatch for {what}: expected {self.total} along dim {dim}, got {tuple(tensor.shape)}"
             )
-        target.copy_(tensor)
+        return tensor.narrow(dim, self.start, max(0, min(self.size, self.total - self.start)))
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """Copy `source` into the leading part of `target` along dim 0 (the rest is padding)."""
+    if tuple(target.shape[1:]) != tuple(source.shape[1:]) or source.shape[0] > target.shape[0]:
+        expected, got = tuple(target.shape), tuple(source.shape)
+        raise WeightBindingError(f"shape mismatch for {what}: expected {expected}, got {got}")
+    target.zero_()
+    target[: source.shape[0]].copy_(source)
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split across ranks; one or several checkpoint tensors stack into it (q, k,
+    v -> qkv; gate, up). Each shard knows which of the checkpoint's rows this rank holds."""
+
+    def __init__(self, in_features: int, shards: dict[str | None, ShardSlice], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard.size for shard in shards.values()), bias)
+        self.shards = dict(shards)
+        self.output_sizes = {name: shard.size for name, shard in shards.items()}
+        self._offsets, start = {}, 0
+        for name, shard in shards.items():
+            self._offsets[name] = start
+            start += shard.size
+
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset(self.shards)
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        if shard_id not in self.shards:
+            raise WeightBindingError(f"no shard {shard_id!r} in a merged layer of {list(self.shards)}")
+        shard = self.shards[shard_id]
+        target = param.data.narrow(0, self._offsets[shard_id], shard.size)
+        copy_into(target, shard.take(tensor, 0, f"shard {shard_id}"), f"shard {shard_id}")
 
     def split(self, output: torch.Tensor) -> list[torch.Tensor]:
         return list(output.split(list(self.output_sizes.values()), dim=-1))
+
+
+class MergedLinear(ColumnParallelLinear):
+    """Several whole projections of one input stacked along the output (one rank)."""
+
+    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, {name: ShardSlice.whole(size) for name, size in output_sizes.items()}, bias)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split across ranks: each rank's partial product is summed across ranks,
+    then the (replicated) bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, parallel: TensorParallel, bias: bool = False) -> None:
+        part = parallel.split(in_features, "the input width of a row-parallel layer")
+        super().__init__(part, out_features, bias)
+        self.parallel = parallel
+        self.columns = ShardSlice(parallel.rank * part, part, in_features)
+
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset({None})
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        if param is self.weight:
+            tensor = self.columns.take(tensor, 1, "weight columns")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise WeightBindingError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(tensor.shape)}")
+        param.data.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.parallel.all_reduce(ops.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -12,21 +12,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.core.bindings import PackedMapping, WeightBindingError
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.layers import ops
-from kestrel.layers.linear import Linear
+from kestrel.layers.linear import Linear, ShardSlice, copy_into
 
 
 class StackedExpertWeight(nn.Module):
-    """One weight per expert, stacked; each checkpoint tensor is shard "<expert>:<part>"."""
+    """One weight per expert, stacked; each checkpoint tensor is shard "<expert>:<part>".
 
-    def __init__(self, num_experts: int, parts: dict[str, int], cols: int) -> None:
+    Under tensor parallelism each part keeps this rank's slice of its rows (gate, up) or of
+    its columns (down)."""
+
+    def __init__(self, num_experts: int, parts: dict[str, ShardSlice], columns: ShardSlice) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, sum(parts.values()), cols), requires_grad=False)
-        self._rows: dict[str, tuple[int, int]] = {}
+        rows = sum(part.size for part in parts.values())
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, columns.size), requires_grad=False)
+        self.columns = columns
+        self._rows: dict[str, tuple[int, ShardSlice]] = {}
         start = 0
-        for part, size in parts.items():
-            self._rows[part] = (start, size)
-            start += size
+        for part, rows_slice in parts.items():
+            self._rows[part] = (start, rows_slice)
+            start += rows_slice.size
         self._shards = frozenset(f"{e}:{part}" for e in range(num_experts) for part in parts)
 
     def shard_ids(self) -> frozenset[str]:
@@ -36,28 +42,31 @@ class StackedExpertWeight(nn.Module):
         if shard_id not in self._shards:
             raise WeightBindingError(f"no expert shard {shard_id!r}")
         expert, part = shard_id.split(":")
-        start, size = self._rows[part]
-        target = param.data[int(expert)].narrow(0, start, size)
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise WeightBindingError(
-                f"expert shard {shard_id}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}"
-            )
-        target.copy_(tensor)
+        start, rows = self._rows[part]
+        what = f"expert shard {shard_id}"
+        piece = self.columns.take(rows.take(tensor, 0, what), 1, what)
+        copy_into(param.data[int(expert)].narrow(0, start, rows.size), piece, what)
 
 
 class SparseMoe(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate_size = intermediate_size
-        self.gate = Linear(hidden_size, num_experts)
+        self.parallel = parallel
+        self.gate = Linear(hidden_size, num_experts)  # the router is replicated
+        part = parallel.split(intermediate_size, "moe_intermediate_size")
+        inner = ShardSlice(parallel.rank * part, part, intermediate_size)
         self.experts = nn.Module()
-        self.experts.w13 = StackedExpertWeight(
-            num_experts, {"gate": intermediate_size, "up": intermediate_size}, hidden_size
-        )
-        self.experts.w2 = StackedExpertWeight(num_experts, {"down": hidden_size}, intermediate_size)
+        self.experts.w13 = StackedExpertWeight(num_experts, {"gate": inner, "up": inner}, ShardSlice.whole(hidden_size))
+        self.experts.w2 = StackedExpertWeight(num_experts, {"down": ShardSlice.whole(hidden_size)}, inner)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights (softmax in float32, as HF does)."""
@@ -72,8 +81,10 @@ class SparseMoe(nn.Module):
         if hidden.is_cuda:
             from kestrel.layers.fused_moe import fused_moe
 
-            return fused_moe(hidden, self.experts.w13.weight, self.experts.w2.weight, weights, experts)
-        return self.grouped(hidden, weights, experts)
+            out = fused_moe(hidden, self.experts.w13.weight, self.experts.w2.weight, weights, experts)
+        else:
+            out = self.grouped(hidden, weights, experts)
+        return self.parallel.all_reduce(out)  # each rank computed its slice of every expert
 
     def grouped(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The torch path: one matmul per expert over its tokens (reads counts to the host)."""

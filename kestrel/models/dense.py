@@ -9,9 +9,11 @@ from torch import nn
 from kestrel.core.attention.base import AttentionLayerSpec
 from kestrel.core.bindings import PackedMapping, WeightBindings
 from kestrel.core.forward import ForwardContext
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import ModelSpec, RopeSpec
 from kestrel.layers import ops
-from kestrel.layers.linear import Linear, MergedLinear
+from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
+from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import apply_rotary, rotary_cos_sin
@@ -27,21 +29,41 @@ PACKED_MAPPINGS = (
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+def rank_slice(parallel: TensorParallel, total: int, what: str) -> ShardSlice:
+    """This rank's equal share of `total` rows."""
+    part = parallel.split(total, what)
+    return ShardSlice(parallel.rank * part, part, total)
+
+
+def attention_shards(spec: ModelSpec, parallel: TensorParallel, q_width: int = 1) -> dict[str, ShardSlice]:
+    """The rows of q, k and v this rank holds: its query heads, and its KV heads (replicated
+    when there are fewer KV heads than ranks). `q_width` heads' worth of rows per query head
+    (2 when each head's projection also holds an output gate)."""
+    head_dim = spec.head_dim
+    q = rank_slice(parallel, spec.num_heads * head_dim * q_width, "num_attention_heads")
+    first, count = parallel.head_slice(spec.num_kv_heads, "num_key_value_heads")
+    kv = ShardSlice(first * head_dim, count * head_dim, spec.num_kv_heads * head_dim)
+    return {"q": q, "k": kv, "v": kv}
+
+
+def attention_layer_spec(spec: ModelSpec, parallel: TensorParallel) -> AttentionLayerSpec:
+    return AttentionLayerSpec(
+        num_heads=parallel.split(spec.num_heads, "num_attention_heads"),
+        num_kv_heads=parallel.head_slice(spec.num_kv_heads, "num_key_value_heads")[1],
+        head_dim=spec.head_dim,
+        scale=spec.head_dim**-0.5,
+        sliding_window=spec.sliding_window,
+    )
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, parallel: TensorParallel) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.layer_spec = AttentionLayerSpec(
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            scale=spec.head_dim**-0.5,
-            sliding_window=spec.sliding_window,
-        )
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        sizes = {"q": q_size, "k": kv_size, "v": kv_size}
-        self.qkv_proj = MergedLinear(spec.hidden_size, sizes, bias=spec.attention_bias)
-        self.o_proj = Linear(q_size, spec.hidden_size)
+        self.layer_spec = attention_layer_spec(spec, parallel)
+        shards = attention_shards(spec, parallel)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, shards, bias=spec.attention_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, parallel)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
@@ -63,11 +85,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None) -> None:
+    def __init__(self, spec: ModelSpec, parallel: TensorParallel, intermediate_size: int | None = None) -> None:
         super().__init__()
         width = intermediate_size or spec.intermediate_size
-        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": width, "up": width})
-        self.down_proj = Linear(width, spec.hidden_size)
+        rows = rank_slice(parallel, width, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, {"gate": rows, "up": rows})
+        self.down_proj = RowParallelLinear(width, spec.hidden_size, parallel)
         if spec.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {spec.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -116,10 +139,13 @@ class ResidualBlock(nn.Module):
 
 
 class DecoderLayer(ResidualBlock):
-    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, parallel: TensorParallel) -> None:
         super().__init__(spec)
-        self.self_attn = DecoderAttention(spec, layer_index)
-        self.mlp = SparseMoe(*sparse_moe_args(spec)) if spec.is_moe_layer(layer_index) else DecoderMLP(spec)
+        self.self_attn = DecoderAttention(spec, layer_index, parallel)
+        if spec.is_moe_layer(layer_index):
+            self.mlp = SparseMoe(*sparse_moe_args(spec), parallel)
+        else:
+            self.mlp = DecoderMLP(spec, parallel)
 
     def mix(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
@@ -128,22 +154,29 @@ class DecoderLayer(ResidualBlock):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: type[ResidualBlock], norm: type[RMSNorm]) -> None:
+    def __init__(
+        self, spec: ModelSpec, parallel: TensorParallel, layer: type[ResidualBlock], norm: type[RMSNorm]
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(layer(spec, i) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, parallel)
+        self.layers = nn.ModuleList(layer(spec, i, parallel) for i in range(spec.num_layers))
         self.norm = norm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
     def __init__(
-        self, spec: ModelSpec, layer: type[ResidualBlock] = DecoderLayer, norm: type[RMSNorm] = RMSNorm
+        self,
+        spec: ModelSpec,
+        parallel: TensorParallel = SINGLE,
+        layer: type[ResidualBlock] = DecoderLayer,
+        norm: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
-        self.spec = spec
-        self.model = DecoderModel(spec, layer, norm)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+        self.spec, self.parallel = spec, parallel
+        self.model = DecoderModel(spec, parallel, layer, norm)
+        # The LM head holds the same vocabulary block as the embedding (tied or not).
+        rows = {None: vocab_rows(spec.vocab_size, parallel)}
+        self.lm_head = None if spec.tie_word_embeddings else ColumnParallelLinear(spec.hidden_size, rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
@@ -155,7 +188,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight).float()
+        logits = self.parallel.all_gather_columns(ops.linear(hidden, weight))
+        return logits[:, : self.spec.vocab_size].float()
 
 
 def sparse_moe_args(spec: ModelSpec) -> tuple[int, int, int, int, bool]:
@@ -231,8 +265,8 @@ class DenseDecoderRecipe:
     def spec(self, hf_config: object) -> ModelSpec:
         raise NotImplementedError
 
-    def build(self, spec: ModelSpec) -> nn.Module:
-        return DecoderForCausalLM(spec)
+    def build(self, spec: ModelSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
+        return DecoderForCausalLM(spec, parallel)
 
     def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
         return decoder_bindings(model, spec)

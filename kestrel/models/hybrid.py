@@ -16,6 +16,7 @@ from kestrel.core.attention.base import AttentionLayerSpec
 from kestrel.core.bindings import PackedMapping, WeightBindingError, WeightBindings
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
 from kestrel.core.state import RecurrentLayerState
 from kestrel.layers import ops
@@ -198,7 +199,7 @@ class SharedExpertMoe(SparseMoe):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(*sparse_moe_args(spec))
-        self.shared_expert = DecoderMLP(spec, spec.shared_expert_size)
+        self.shared_expert = DecoderMLP(spec, SINGLE, spec.shared_expert_size)
         self.shared_expert_gate = Linear(spec.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,7 +208,7 @@ class SharedExpertMoe(SparseMoe):
 
 
 class HybridDecoderLayer(ResidualBlock):
-    def __init__(self, spec: ModelSpec, index: int) -> None:
+    def __init__(self, spec: ModelSpec, index: int, parallel: TensorParallel) -> None:
         super().__init__(spec, OffsetRMSNorm)
         self.is_linear = spec.layer_kind(index) == LINEAR_ATTENTION
         if self.is_linear:
@@ -217,7 +218,7 @@ class HybridDecoderLayer(ResidualBlock):
         if spec.is_moe_layer(index):
             self.mlp = SharedExpertMoe(spec) if spec.shared_expert_size else SparseMoe(*sparse_moe_args(spec))
         else:
-            self.mlp = DecoderMLP(spec)
+            self.mlp = DecoderMLP(spec, parallel)
 
     def mix(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext):
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -225,8 +226,13 @@ class HybridDecoderLayer(ResidualBlock):
 
 
 class HybridForCausalLM(DecoderForCausalLM):
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__(spec, HybridDecoderLayer, OffsetRMSNorm)
+    def __init__(self, spec: ModelSpec, parallel: TensorParallel = SINGLE) -> None:
+        if parallel.size > 1:
+            raise ValueError(
+                f"{spec.architecture} does not support tensor parallelism yet (its linear-attention "
+                "layers are not sharded); run it with tensor_parallel_size=1"
+            )
+        super().__init__(spec, parallel, HybridDecoderLayer, OffsetRMSNorm)
 
 
 HYBRID_MAPPINGS = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from kestrel.core.bindings import PackedMapping, WeightBindings
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec, MoeSpec
 from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import read_dense_spec, read_rope
@@ -42,8 +43,8 @@ def read_hybrid_spec(hf_config: object, architecture: str, grouped_projection: b
 class HybridRecipe:
     architectures: tuple[str, ...] = ()
 
-    def build(self, spec: ModelSpec) -> nn.Module:
-        return HybridForCausalLM(spec)
+    def build(self, spec: ModelSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
+        return HybridForCausalLM(spec, parallel)
 
     def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
         return hybrid_bindings(model, spec)
