@@ -24,6 +24,8 @@ class EngineArgs:
     tokenizer: str | None = None  # defaults to the model directory
     enforce_eager: bool = False  # never capture CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
+    tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
+    distributed_executor_backend: str = "mp"  # "mp" (processes on this host) | "ray"
 
     def __post_init__(self) -> None:
         checks = [
@@ -44,6 +46,14 @@ class EngineArgs:
             (
                 0 < self.gpu_memory_utilization <= 1,
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+            ),
+            (
+                self.tensor_parallel_size >= 1,
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}",
+            ),
+            (
+                self.distributed_executor_backend in ("mp", "ray"),
+                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}",
             ),
         ]
         for ok, message in checks:

@@ -44,6 +44,14 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def min_across_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' values (so that every rank sizes its pool alike)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate the ranks' column blocks [rows, cols] into [rows, size * cols]."""
         if self.size == 1:

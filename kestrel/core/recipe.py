@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kestrel.core.bindings import WeightBindings
-from kestrel.core.parallel import TensorParallel
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.state import KVCacheSpec, RecurrentStateSpec
 
 FULL_ATTENTION = "full_attention"
@@ -130,10 +130,11 @@ class ModelSpec:
             conv_dtype=dtype,
         )
 
-    def kv_cache_spec(self, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
+    def kv_cache_spec(self, dtype: torch.dtype, page_size: int, parallel: TensorParallel = SINGLE) -> KVCacheSpec:
+        """The KV pool of one rank: its share of the KV heads (replicated below one each)."""
         return KVCacheSpec(
             num_layers=self.num_layers_of(FULL_ATTENTION),
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=parallel.head_slice(self.num_kv_heads, "num_key_value_heads")[1],
             head_dim=self.head_dim,
             dtype=dtype,
             page_size=page_size,

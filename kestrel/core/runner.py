@@ -78,7 +78,9 @@ class ModelRunner:
         max_num_batched_tokens: int,
         graphs: DecodeGraphs | None = None,
         recurrent: RecurrentStateProvider | None = None,
+        samples: bool = True,  # tensor-parallel workers compute logits but leave sampling to rank 0
     ) -> None:
+        self.samples = samples
         self.model = model
         self.recurrent = recurrent
         self.graphs = graphs
@@ -151,6 +153,8 @@ class ModelRunner:
             logits = self.graphs.run(layout, token_ids, positions)
         else:
             logits = self._run_eager(layout, ordered, token_ids, positions, logits_indices)
+        if not self.samples:
+            return StepOutput(())
         sampled = self._sample(ordered, rows, logits)
         prompt = self._prompt_logprobs(ordered, rows, logits)
         results = tuple(

@@ -111,7 +111,7 @@ class LLMEngine:
         work = [self._work_for(chunk) for chunk in plan.scheduled]
         if not work:
             return []
-        output = self.parts.runner.execute(work)
+        output = self.parts.executor.execute(work)
         return self._absorb(plan.scheduled, output.results)
 
     def _queue_state(self) -> QueueState:
@@ -274,7 +274,7 @@ class LLMEngine:
         if request in self._waiting:
             self._waiting.remove(request)
         self._release_pages(request)
-        self.parts.runner.release(request.request_id)
+        self.parts.executor.release(request.request_id)
         del self._requests[request.request_id]
         return self._output(request)
 

@@ -14,11 +14,20 @@ from kestrel.config import GIB, EngineArgs
 from kestrel.core.attention.base import AttentionBackend, BackendRequirements
 from kestrel.core.attention.registry import select_backend
 from kestrel.core.cuda_graphs import DecodeGraphs
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.planner import FcfsPlanner, PlannerConfig
 from kestrel.core.recipe import ModelSpec
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime import DeviceRuntime, create_runtime
 from kestrel.core.state import KVCacheSpec, PagedKVProvider, RecurrentStateProvider
+from kestrel.engine.distributed import (
+    GroupAddress,
+    LocalExecutor,
+    MultiprocessExecutor,
+    join_group,
+    rank_args,
+    start_workers,
+)
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import recipe_for
 from kestrel.weights.loader import load_model
@@ -45,7 +54,8 @@ class EngineParts:
     dtype: torch.dtype
     kv: PagedKVProvider
     recurrent: RecurrentStateProvider | None  # hybrid models' linear-attention state slots
-    runner: ModelRunner
+    runner: ModelRunner  # rank 0's
+    executor: LocalExecutor | MultiprocessExecutor  # runs each step on every rank
     planner: FcfsPlanner
     tokenizer: Any | None
     max_model_len: int
@@ -180,7 +190,23 @@ def eos_token_ids(spec: ModelSpec, tokenizer: Any | None, model_dir: Path | None
     return frozenset(ids)
 
 
-def build_engine_parts(args: EngineArgs) -> EngineParts:
+@dataclass(frozen=True)
+class RankParts:
+    """What every tensor-parallel rank builds for itself: its shard of the model, its state
+    pools (same page count on every rank) and the runner over them."""
+
+    runtime: DeviceRuntime
+    spec: ModelSpec
+    dtype: torch.dtype
+    kv: PagedKVProvider
+    recurrent: RecurrentStateProvider | None
+    runner: ModelRunner
+    max_model_len: int
+    max_num_batched_tokens: int
+    model_dir: Path | None
+
+
+def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     runtime = create_runtime(args.device)
     runtime.configure_process()
     hf_config, model_dir = read_hf_config(args)
@@ -191,22 +217,24 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         BackendRequirements(runtime.name, dtype, spec.head_dim, spec.sliding_window is not None, args.page_size),
         args.attention_backend,
     )
-    model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed)
-    tokenizer = load_tokenizer(args, model_dir)
+    model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed, parallel)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
-    kv_spec = spec.kv_cache_spec(dtype, args.page_size)
+    kv_spec = spec.kv_cache_spec(dtype, args.page_size, parallel)
     longest = args.max_model_len or spec.max_position_embeddings
     recurrent = recurrent_provider(spec, dtype, args.max_num_seqs, runtime)
+    sampling = parallel.rank == 0
 
     def profile() -> int:
         return profile_activation_bytes(
             model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest, recurrent
         )
 
+    # Every rank must hold the same number of pages: the smallest budget of any rank.
+    budget = parallel.min_across_ranks(kv_budget_bytes(args, runtime, profile), runtime.device)
     kv = PagedKVProvider(
         kv_spec,
-        kv_budget_bytes(args, runtime, profile),
+        budget,
         runtime.device,
         # The recurrent state of a hybrid model is kept for running requests only, so a
         # cached KV prefix would come without the state that goes with it: no caching.
@@ -222,19 +250,54 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
             model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
         )
         graphs.capture()
-    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs, recurrent)
+    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs, recurrent, sampling)
     runner.warm_up(max_num_batched_tokens, args.max_num_seqs, max_model_len)
+    return RankParts(runtime, spec, dtype, kv, recurrent, runner, max_model_len, max_num_batched_tokens, model_dir)
+
+
+def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, MultiprocessExecutor]:
+    """Start the worker processes, then build rank 0 here while they build theirs."""
+    address = GroupAddress.on_this_host(args.tensor_parallel_size)
+    workers = start_workers(args, address)
+    try:
+        args = rank_args(args, 0)
+        parallel = join_group(address, 0, create_runtime(args.device).distributed_backend())
+        executor = MultiprocessExecutor(None, workers)
+        rank = executor.guarded(lambda: build_rank(args, parallel))
+        executor.runner = rank.runner
+        executor.wait_ready()
+    except BaseException:
+        for worker in workers:
+            worker.process.kill()
+        raise
+    return rank, executor
+
+
+def build_worker_runner(args: EngineArgs, rank: int, address: GroupAddress) -> ModelRunner:
+    """A worker's side of `build_tensor_parallel`."""
+    parallel = join_group(address, rank, create_runtime(args.device).distributed_backend())
+    return build_rank(args, parallel).runner
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    if args.tensor_parallel_size > 1:
+        rank, executor = build_tensor_parallel(args)
+    else:
+        rank = build_rank(args, SINGLE)
+        executor = LocalExecutor(rank.runner)
+    tokenizer = load_tokenizer(args, rank.model_dir)
     return EngineParts(
         args=args,
-        runtime=runtime,
-        spec=spec,
-        dtype=dtype,
-        kv=kv,
-        recurrent=recurrent,
-        runner=runner,
-        planner=FcfsPlanner(PlannerConfig(max_num_batched_tokens, args.max_num_seqs)),
+        runtime=rank.runtime,
+        spec=rank.spec,
+        dtype=rank.dtype,
+        kv=rank.kv,
+        recurrent=rank.recurrent,
+        runner=rank.runner,
+        executor=executor,
+        planner=FcfsPlanner(PlannerConfig(rank.max_num_batched_tokens, args.max_num_seqs)),
         tokenizer=tokenizer,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        eos_token_ids=eos_token_ids(spec, tokenizer, model_dir),
+        max_model_len=rank.max_model_len,
+        max_num_batched_tokens=rank.max_num_batched_tokens,
+        eos_token_ids=eos_token_ids(rank.spec, tokenizer, rank.model_dir),
     )

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import ModelRecipe, ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,10 +38,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def build_empty(recipe: ModelRecipe, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_empty(
+    recipe: ModelRecipe, spec: ModelSpec, device: torch.device, dtype: torch.dtype, parallel: TensorParallel = SINGLE
+) -> nn.Module:
     # The meta device records shapes without allocating or initialising anything.
     with torch.device("meta"):
-        model = recipe.build(spec).to(dtype)
+        model = recipe.build(spec, parallel).to(dtype)
     return model.to_empty(device=device).eval()
 
 
@@ -74,8 +77,9 @@ def load_model(
     dtype: torch.dtype,
     load_format: str,
     seed: int,
+    parallel: TensorParallel = SINGLE,
 ) -> nn.Module:
-    model = build_empty(recipe, spec, device, dtype)
+    model = build_empty(recipe, spec, device, dtype, parallel)
     if load_format == "dummy":
         fill_dummy(model, seed)
     elif load_format in ("auto", "safetensors"):

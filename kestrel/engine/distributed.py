@@ -1,0 +1,205 @@
+"""Tensor-parallel workers: one process per rank beyond the engine's own (rank 0).
+
+Every rank builds the same engine parts for its shard of the model and joins one
+torch.distributed group (gloo on the CPU, NCCL on CUDA, as the runtime says). Each step the
+engine sends the step's plan (plain `SequenceWork`) to every worker, then runs it itself;
+the collectives inside the forward keep the ranks in lockstep, and rank 0 alone samples.
+
+A worker that fails reports why and exits; the engine notices it (a dead process, or a
+collective that fails because a peer is gone) and raises `WorkerDiedError` instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch.distributed as dist
+
+from kestrel.config import EngineArgs
+from kestrel.core.parallel import TensorParallel
+from kestrel.core.runner import ModelRunner, SequenceWork, StepOutput
+
+# A collective that waits longer than this on a silent peer fails instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+READY_TIMEOUT_S = 600.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone; the engine cannot run steps any more."""
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where the ranks meet: a file every rank on this host can reach."""
+
+    init_method: str
+    world_size: int
+
+    @classmethod
+    def on_this_host(cls, world_size: int) -> GroupAddress:
+        handle, path = tempfile.mkstemp(prefix="kestrel-tp-")
+        os.close(handle)
+        os.unlink(path)  # the store creates it; a stale file would confuse a new group
+        return cls(f"file://{path}", world_size)
+
+
+def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
+    """Each CUDA rank drives its own device; CPU ranks share the host."""
+    if args.device == "cuda" or (args.device == "auto" and _cuda_available()):
+        return replace(args, device=f"cuda:{rank}")
+    return args
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def join_group(address: GroupAddress, rank: int, backend: str) -> TensorParallel:
+    dist.init_process_group(
+        backend,
+        init_method=address.init_method,
+        rank=rank,
+        world_size=address.world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    return TensorParallel(rank, address.world_size)
+
+
+def worker_main(args: EngineArgs, rank: int, address: GroupAddress, connection: Connection) -> None:
+    """A worker process: build this rank's parts, then run every step it is sent."""
+    from kestrel.engine.setup import build_worker_runner
+
+    try:
+        runner = build_worker_runner(args, rank, address)
+        connection.send(("ready", None))
+        while (work := connection.recv()) is not None:
+            runner.execute(work)
+    except EOFError:
+        pass  # the engine went away: nothing left to serve
+    except BaseException as error:  # noqa: BLE001 (report anything, then exit)
+        summary = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+        with contextlib.suppress(OSError):
+            connection.send(("error", summary))
+        os._exit(1)  # drop out of the group at once, so peers' collectives fail fast
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class WorkerHandle:
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    connection: Connection
+
+    def failure(self) -> str | None:
+        """Why the worker is unusable, if it is."""
+        message = None
+        while self.connection.poll():
+            try:
+                kind, detail = self.connection.recv()
+            except (EOFError, OSError):
+                break
+            if kind == "error":
+                message = detail
+        if message is not None:
+            return f"tensor-parallel worker rank {self.rank} failed: {message}"
+        if not self.process.is_alive():
+            process = self.process
+            return f"tensor-parallel worker rank {self.rank} (pid {process.pid}) died, exit code {process.exitcode}"
+        return None
+
+
+def start_workers(args: EngineArgs, address: GroupAddress) -> list[WorkerHandle]:
+    context = multiprocessing.get_context("spawn")  # CUDA and threads forbid fork
+    handles = []
+    for rank in range(1, address.world_size):
+        ours, theirs = context.Pipe()
+        process = context.Process(target=worker_main, args=(rank_args(args, rank), rank, address, theirs), daemon=True)
+        process.start()
+        theirs.close()
+        handles.append(WorkerHandle(rank, process, ours))
+    return handles
+
+
+class MultiprocessExecutor:
+    """Runs each step on rank 0's runner and on every worker process."""
+
+    def __init__(self, runner: ModelRunner | None, workers: Sequence[WorkerHandle]) -> None:
+        self.runner = runner
+        self.workers = list(workers)
+
+    def wait_ready(self) -> None:
+        for worker in self.workers:
+            if not worker.connection.poll(READY_TIMEOUT_S):
+                raise WorkerDiedError(f"tensor-parallel worker rank {worker.rank} did not start in time")
+            kind, detail = worker.connection.recv()
+            if kind != "ready":
+                raise WorkerDiedError(f"tensor-parallel worker rank {worker.rank} failed to start: {detail}")
+
+    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+        return self.guarded(lambda: self._execute(work))
+
+    def _execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+        self.raise_if_failed()
+        for worker in self.workers:
+            worker.connection.send(list(work))
+        return self.runner.execute(work)
+
+    def guarded(self, action: Callable[[], Any]) -> Any:
+        """Run `action`; if it fails because a worker is gone, say which and why."""
+        try:
+            return action()
+        except (RuntimeError, OSError) as error:
+            if isinstance(error, WorkerDiedError):
+                raise
+            self.raise_if_failed(cause=error)
+            raise
+
+    def raise_if_failed(self, cause: BaseException | None = None) -> None:
+        for worker in self.workers:
+            problem = worker.failure()
+            if problem is not None:
+                raise WorkerDiedError(problem) from cause
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)  # sampling state lives on rank 0 only
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(OSError):
+                worker.connection.send(None)
+        for worker in self.workers:
+            worker.process.join(timeout=10)
+            if worker.process.is_alive():
+                worker.process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LocalExecutor:
+    """One rank: steps run on the engine's own runner."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+        return self.runner.execute(work)
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+
+    def shutdown(self) -> None:
+        return None
