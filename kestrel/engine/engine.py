@@ -298,6 +298,10 @@ class LLMEngine:
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
         )
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any; the engine cannot run steps afterwards."""
+        self.parts.executor.shutdown()
+
     def stats(self) -> EngineStats:
         allocator = self.parts.kv.allocator
         return EngineStats(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kestrel.config import GIB, EngineArgs
 from kestrel.core.attention.base import AttentionBackend, BackendRequirements
@@ -269,6 +270,8 @@ def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, MultiprocessExec
     except BaseException:
         for worker in workers:
             worker.process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise
     return rank, executor
 

@@ -1,0 +1,61 @@
+"""Tensor parallelism on the CPU (gloo): TP=2 gives TP=1's greedy tokens for every family
+it supports, and a worker that dies makes the engine fail fast with a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.distributed import WorkerDiedError
+from tests.checkpoints import FAMILIES, HYBRID_FAMILIES
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+DENSE_FAMILIES = [family for family in FAMILIES if family not in HYBRID_FAMILIES]
+
+
+def prompts() -> list[dict]:
+    generator = torch.Generator().manual_seed(3)
+    return [{"prompt_token_ids": torch.randint(0, 500, (n,), generator=generator).tolist()} for n in (1, 9, 70)]
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_two_ranks_give_the_same_greedy_tokens_as_one(family, checkpoint_dir):
+    path = str(checkpoint_dir(family))
+    settings = dict(max_num_batched_tokens=32, dtype="float32", kv_cache_memory_gb=0.05)
+    single = LLM(path, **settings).generate(prompts(), GREEDY, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=2, **settings)
+    try:
+        split = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
+        stats = llm.engine.stats()
+        assert stats.num_used_pages == 0 and stats.num_running == 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_hybrid_models_refuse_tensor_parallelism_clearly(checkpoint_dir):
+    with pytest.raises(ValueError, match="does not support tensor parallelism yet"):
+        LLM(str(checkpoint_dir(HYBRID_FAMILIES[0])), tensor_parallel_size=2)
+
+
+def test_a_killed_worker_fails_the_engine_fast(checkpoint_dir):
+    llm = LLM(str(checkpoint_dir("qwen3")), tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+    engine = llm.engine
+    try:
+        engine.add_request("r", prompts()[1]["prompt_token_ids"], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        engine.step()
+        worker = engine.parts.executor.workers[0]
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) died"):
+            engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine.shutdown()
