@@ -20,6 +20,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,6 +39,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

@@ -16,7 +16,9 @@ import contextlib
 import multiprocessing
 import os
 import tempfile
+import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -32,6 +34,7 @@ from kestrel.core.runner import ModelRunner, SequenceWork, StepOutput
 # A collective that waits longer than this on a silent peer fails instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 READY_TIMEOUT_S = 600.0
+SETTLE_AFTER_ERROR_S = 5.0
 
 
 class WorkerDiedError(RuntimeError):
@@ -134,12 +137,79 @@ def start_workers(args: EngineArgs, address: GroupAddress) -> list[WorkerHandle]
     return handles
 
 
-class MultiprocessExecutor:
-    """Runs each step on rank 0's runner and on every worker process."""
+class TensorParallelExecutor(ABC):
+    """Runs each step on rank 0's runner (here) and on every worker. A subclass says how
+    workers are reached (processes on this host, or Ray actors)."""
 
-    def __init__(self, runner: ModelRunner | None, workers: Sequence[WorkerHandle]) -> None:
-        self.runner = runner
+    address: GroupAddress  # where the ranks meet
+
+    def __init__(self) -> None:
+        self.runner: ModelRunner | None = None  # rank 0's, set once it is built
+
+    @abstractmethod
+    def send(self, work: list[SequenceWork]) -> None:
+        """Hand the step's plan to every worker."""
+
+    @abstractmethod
+    def failure(self) -> str | None:
+        """What is wrong with the workers, if anything (a dead one, a reported error)."""
+
+    @abstractmethod
+    def wait_ready(self) -> None:
+        """Block until every worker has built its rank; raise WorkerDiedError if one failed."""
+
+    @abstractmethod
+    def stop_workers(self) -> None: ...
+
+    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+        def step() -> StepOutput:
+            self.raise_if_failed()
+            self.send(list(work))
+            return self.runner.execute(work)
+
+        return self.guarded(step)
+
+    def guarded(self, action: Callable[[], Any]) -> Any:
+        """Run `action`; if it fails because a worker is gone, say which and why."""
+        try:
+            return action()
+        except WorkerDiedError:
+            raise
+        except (RuntimeError, OSError) as error:
+            self.raise_if_failed(cause=error)
+            raise
+
+    def raise_if_failed(self, cause: BaseException | None = None) -> None:
+        # After an error the failed worker may take a moment to be seen as gone.
+        deadline = time.monotonic() + (SETTLE_AFTER_ERROR_S if cause is not None else 0)
+        while (problem := self.failure()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if problem is not None:
+            raise WorkerDiedError(problem) from cause
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)  # sampling state lives on rank 0 only
+
+    def shutdown(self) -> None:
+        self.stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class MultiprocessExecutor(TensorParallelExecutor):
+    """Workers are processes on this host, fed through pipes."""
+
+    def __init__(self, workers: Sequence[WorkerHandle], address: GroupAddress) -> None:
+        super().__init__()
         self.workers = list(workers)
+        self.address = address
+
+    def send(self, work: list[SequenceWork]) -> None:
+        for worker in self.workers:
+            worker.connection.send(work)
+
+    def failure(self) -> str | None:
+        return next((problem for worker in self.workers if (problem := worker.failure()) is not None), None)
 
     def wait_ready(self) -> None:
         for worker in self.workers:
@@ -149,35 +219,7 @@ class MultiprocessExecutor:
             if kind != "ready":
                 raise WorkerDiedError(f"tensor-parallel worker rank {worker.rank} failed to start: {detail}")
 
-    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
-        return self.guarded(lambda: self._execute(work))
-
-    def _execute(self, work: Sequence[SequenceWork]) -> StepOutput:
-        self.raise_if_failed()
-        for worker in self.workers:
-            worker.connection.send(list(work))
-        return self.runner.execute(work)
-
-    def guarded(self, action: Callable[[], Any]) -> Any:
-        """Run `action`; if it fails because a worker is gone, say which and why."""
-        try:
-            return action()
-        except (RuntimeError, OSError) as error:
-            if isinstance(error, WorkerDiedError):
-                raise
-            self.raise_if_failed(cause=error)
-            raise
-
-    def raise_if_failed(self, cause: BaseException | None = None) -> None:
-        for worker in self.workers:
-            problem = worker.failure()
-            if problem is not None:
-                raise WorkerDiedError(problem) from cause
-
-    def release(self, request_id: str) -> None:
-        self.runner.release(request_id)  # sampling state lives on rank 0 only
-
-    def shutdown(self) -> None:
+    def stop_workers(self) -> None:
         for worker in self.workers:
             with contextlib.suppress(OSError):
                 worker.connection.send(None)
@@ -185,8 +227,6 @@ class MultiprocessExecutor:
             worker.process.join(timeout=10)
             if worker.process.is_alive():
                 worker.process.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class LocalExecutor:

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kestrel.config import GIB, EngineArgs
 from kestrel.core.attention.base import AttentionBackend, BackendRequirements
@@ -25,6 +24,7 @@ from kestrel.engine.distributed import (
     GroupAddress,
     LocalExecutor,
     MultiprocessExecutor,
+    TensorParallelExecutor,
     join_group,
     rank_args,
     start_workers,
@@ -56,7 +56,7 @@ class EngineParts:
     kv: PagedKVProvider
     recurrent: RecurrentStateProvider | None  # hybrid models' linear-attention state slots
     runner: ModelRunner  # rank 0's
-    executor: LocalExecutor | MultiprocessExecutor  # runs each step on every rank
+    executor: LocalExecutor | TensorParallelExecutor  # runs each step on every rank
     planner: FcfsPlanner
     tokenizer: Any | None
     max_model_len: int
@@ -256,24 +256,29 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     return RankParts(runtime, spec, dtype, kv, recurrent, runner, max_model_len, max_num_batched_tokens, model_dir)
 
 
-def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, MultiprocessExecutor]:
-    """Start the worker processes, then build rank 0 here while they build theirs."""
-    address = GroupAddress.on_this_host(args.tensor_parallel_size)
-    workers = start_workers(args, address)
+def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, TensorParallelExecutor]:
+    """Start the workers, then build rank 0 here while they build theirs."""
+    executor = start_executor(args)
     try:
-        args = rank_args(args, 0)
-        parallel = join_group(address, 0, create_runtime(args.device).distributed_backend())
-        executor = MultiprocessExecutor(None, workers)
-        rank = executor.guarded(lambda: build_rank(args, parallel))
+        rank_zero_args = rank_args(args, 0)
+        backend = create_runtime(rank_zero_args.device).distributed_backend()
+        parallel = join_group(executor.address, 0, backend)
+        rank = executor.guarded(lambda: build_rank(rank_zero_args, parallel))
         executor.runner = rank.runner
         executor.wait_ready()
     except BaseException:
-        for worker in workers:
-            worker.process.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        executor.shutdown()
         raise
     return rank, executor
+
+
+def start_executor(args: EngineArgs) -> TensorParallelExecutor:
+    if args.distributed_executor_backend == "ray":
+        from kestrel.engine.ray_executor import RayExecutor
+
+        return RayExecutor(args)
+    address = GroupAddress.on_this_host(args.tensor_parallel_size)
+    return MultiprocessExecutor(start_workers(args, address), address)
 
 
 def build_worker_runner(args: EngineArgs, rank: int, address: GroupAddress) -> ModelRunner:

@@ -107,7 +107,10 @@ def run_engine_core(args: EngineArgs, conn: Connection) -> None:
         conn.send(CoreFailed(f"{type(error).__name__}: {error}"))
         return
     conn.send(CoreReady(engine.max_model_len, engine.parts.spec.vocab_size, engine.parts.kv.num_pages))
-    _serve(engine, conn)
+    try:
+        _serve(engine, conn)
+    finally:
+        engine.shutdown()  # tensor-parallel workers go with the core
 
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:

@@ -59,3 +59,21 @@ def test_a_killed_worker_fails_the_engine_fast(checkpoint_dir):
         assert time.monotonic() - start < 30
     finally:
         engine.shutdown()
+
+
+def test_two_ranks_through_a_local_ray_cluster(checkpoint_dir):
+    ray = pytest.importorskip("ray")
+    path = str(checkpoint_dir("llama"))
+    settings = dict(max_num_batched_tokens=32, dtype="float32", kv_cache_memory_gb=0.05)
+    single = LLM(path, **settings).generate(prompts(), GREEDY, use_tqdm=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one host, room for the actor
+    try:
+        llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **settings)
+        try:
+            split = llm.generate(prompts(), GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
+            assert len(llm.engine.parts.executor.actors) == 1
+        finally:
+            llm.engine.shutdown()
+    finally:
+        ray.shutdown()
