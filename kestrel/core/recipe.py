@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,6 +65,12 @@ class LinearAttentionSpec:
     def conv_channels(self) -> int:
         return 2 * self.key_size + self.value_size
 
+    def for_rank(self, parallel: TensorParallel) -> LinearAttentionSpec:
+        """The heads one tensor-parallel rank holds: its key heads and their value heads."""
+        key_heads = parallel.split(self.num_key_heads, "linear_num_key_heads")
+        value_heads = key_heads * (self.num_value_heads // self.num_key_heads)
+        return dataclasses.replace(self, num_key_heads=key_heads, num_value_heads=value_heads)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -116,10 +123,11 @@ class ModelSpec:
     def is_hybrid(self) -> bool:
         return self.num_layers_of(LINEAR_ATTENTION) > 0
 
-    def recurrent_state_spec(self, dtype: torch.dtype) -> RecurrentStateSpec | None:
-        linear = self.linear_attention
-        if linear is None or not self.is_hybrid:
+    def recurrent_state_spec(self, dtype: torch.dtype, parallel: TensorParallel = SINGLE) -> RecurrentStateSpec | None:
+        """The recurrent state of one rank: its share of the linear-attention heads."""
+        if self.linear_attention is None or not self.is_hybrid:
             return None
+        linear = self.linear_attention.for_rank(parallel)
         return RecurrentStateSpec(
             num_layers=self.num_layers_of(LINEAR_ATTENTION),
             conv_channels=linear.conv_channels,

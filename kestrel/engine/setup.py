@@ -138,10 +138,10 @@ def profile_activation_bytes(
 
 
 def recurrent_provider(
-    spec: ModelSpec, dtype: torch.dtype, max_num_seqs: int, runtime: DeviceRuntime
+    spec: ModelSpec, dtype: torch.dtype, max_num_seqs: int, runtime: DeviceRuntime, parallel: TensorParallel
 ) -> RecurrentStateProvider | None:
     """One state slot per request that may run at once, for models with linear-attention layers."""
-    state_spec = spec.recurrent_state_spec(dtype)
+    state_spec = spec.recurrent_state_spec(dtype, parallel)
     if state_spec is None:
         return None
     provider = RecurrentStateProvider(state_spec, max_num_seqs, runtime.device)
@@ -223,7 +223,7 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     kv_spec = spec.kv_cache_spec(dtype, args.page_size, parallel)
     longest = args.max_model_len or spec.max_position_embeddings
-    recurrent = recurrent_provider(spec, dtype, args.max_num_seqs, runtime)
+    recurrent = recurrent_provider(spec, dtype, args.max_num_seqs, runtime, parallel)
     sampling = parallel.rank == 0
 
     def profile() -> int:

@@ -8,11 +8,12 @@ weight is stored as an offset from one).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.core.attention.base import AttentionLayerSpec
 from kestrel.core.bindings import PackedMapping, WeightBindingError, WeightBindings
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
@@ -27,11 +28,18 @@ from kestrel.layers.gated_delta import (
     l2_normalize,
     recurrent_gated_delta,
 )
-from kestrel.layers.linear import Linear, MergedLinear
+from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice, copy_into
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import apply_rotary
-from kestrel.models.dense import DecoderForCausalLM, DecoderMLP, ResidualBlock, sparse_moe_args
+from kestrel.models.dense import (
+    DecoderForCausalLM,
+    DecoderMLP,
+    ResidualBlock,
+    attention_layer_spec,
+    attention_shards,
+    sparse_moe_args,
+)
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -49,52 +57,133 @@ class GatedRMSNorm(RMSNorm):
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
-class LinearAttentionProjection(MergedLinear):
-    """Every input projection of a DeltaNet layer in one matmul: [q k v | z | b | a].
+@dataclass(frozen=True)
+class DeltaNetShard:
+    """The key heads (and the value heads grouped under them) one rank holds, and how to
+    cut them out of checkpoint tensors laid out over all heads."""
 
-    Qwen3-Next checkpoints hold two projections grouped per key head (qkvz, then ba); they
-    are regrouped at load time into this layout, so both families run the same forward.
+    full: LinearAttentionSpec
+    local: LinearAttentionSpec
+    first_key_head: int
+
+    @classmethod
+    def of(cls, linear: LinearAttentionSpec, parallel: TensorParallel) -> DeltaNetShard:
+        local = linear.for_rank(parallel)
+        return cls(linear, local, parallel.rank * local.num_key_heads)
+
+    @property
+    def first_value_head(self) -> int:
+        return self.first_key_head * (self.full.num_value_heads // self.full.num_key_heads)
+
+    def qkv_rows(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """This rank's rows of a [q | k | v] tensor (the projection, or the conv weight)."""
+        full, local = self.full, self.local
+        _expect_rows(tensor, full.conv_channels, what)
+        q, k, v = tensor.split((full.key_size, full.key_size, full.value_size))
+        key_start = self.first_key_head * full.key_head_dim
+        return torch.cat(
+            (
+                q.narrow(0, key_start, local.key_size),
+                k.narrow(0, key_start, local.key_size),
+                v.narrow(0, self.first_value_head * full.value_head_dim, local.value_size),
+            )
+        )
+
+    def value_rows(self, tensor: torch.Tensor, width: int, what: str) -> torch.Tensor:
+        """This rank's rows of a tensor with `width` rows per value head."""
+        _expect_rows(tensor, self.full.num_value_heads * width, what)
+        return tensor.narrow(0, self.first_value_head * width, self.local.num_value_heads * width)
+
+    def regroup(self, tensor: torch.Tensor, parts: tuple[int, ...], what: str) -> torch.Tensor:
+        """Qwen3-Next's grouped layout (per key head: its parts in turn) -> this rank's key
+        heads, each part gathered over them: [part 0 of every head | part 1 | ...]."""
+        _expect_rows(tensor, self.full.num_key_heads * sum(parts), what)
+        groups = tensor.view(self.full.num_key_heads, sum(parts), -1).narrow(
+            0, self.first_key_head, self.local.num_key_heads
+        )
+        return torch.cat([part.reshape(-1, tensor.shape[-1]) for part in groups.split(parts, dim=1)])
+
+
+def _expect_rows(tensor: torch.Tensor, rows: int, what: str) -> None:
+    if tensor.shape[0] != rows:
+        raise WeightBindingError(f"shape mismatch for {what}: expected {rows} rows, got {tuple(tensor.shape)}")
+
+
+class LinearAttentionProjection(ColumnParallelLinear):
+    """Every input projection of a DeltaNet layer in one matmul: [q k v | z | b | a], for
+    this rank's heads.
+
+    Qwen3.5 checkpoints hold qkv, z, b and a; Qwen3-Next ones two projections grouped per
+    key head (qkvz, then ba). Both are cut and regrouped at load time into this layout, so
+    both families run the same forward.
     """
 
-    def __init__(self, hidden_size: int, linear: LinearAttentionSpec) -> None:
-        heads = linear.num_value_heads
-        super().__init__(hidden_size, {"qkv": linear.conv_channels, "z": linear.value_size, "b": heads, "a": heads})
-        self.linear = linear
+    def __init__(self, hidden_size: int, shard: DeltaNetShard) -> None:
+        local = shard.local
+        sizes = {"qkv": local.conv_channels, "z": local.value_size, "b": local.num_value_heads}
+        sizes["a"] = local.num_value_heads
+        super().__init__(hidden_size, {name: ShardSlice.whole(size) for name, size in sizes.items()})
+        self.shard = shard
 
-    def shard_ids(self) -> frozenset[str]:
-        return frozenset({"qkvz", "ba"}) if self.linear.grouped_projection else super().shard_ids()
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset({"qkvz", "ba"}) if self.shard.full.grouped_projection else super().shard_ids()
 
-    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str) -> None:
-        if not self.linear.grouped_projection:
-            return super().load_shard(param, tensor, shard_id)
-        linear, groups = self.linear, self.linear.num_key_heads
-        per_group = linear.num_value_heads // groups
-        if shard_id == "qkvz":
-            value_width = per_group * linear.value_head_dim
-            parts, start = (linear.key_head_dim, linear.key_head_dim, value_width, value_width), 0
-        elif shard_id == "ba":
-            parts, start = (per_group, per_group), linear.conv_channels + linear.value_size
-        else:
-            raise WeightBindingError(f"no shard {shard_id!r} in a grouped linear-attention projection")
-        if tensor.shape[0] != groups * sum(parts):
-            raise WeightBindingError(f"{shard_id}: expected {groups * sum(parts)} rows, got {tensor.shape[0]}")
-        grouped = tensor.view(groups, sum(parts), -1).split(parts, dim=1)
-        regrouped = torch.cat([part.reshape(-1, tensor.shape[-1]) for part in grouped])
-        param.data.narrow(0, start, regrouped.shape[0]).copy_(regrouped)
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        if shard_id not in self.shard_ids():
+            raise WeightBindingError(f"no shard {shard_id!r} in a linear-attention projection")
+        full, shard = self.shard.full, self.shard
+        group = full.num_value_heads // full.num_key_heads
+        value_width = group * full.value_head_dim
+        rows = {
+            "qkvz": lambda: shard.regroup(
+                tensor, (full.key_head_dim, full.key_head_dim, value_width, value_width), "qkvz"
+            ),
+            "ba": lambda: shard.regroup(tensor, (group, group), "ba"),
+            "qkv": lambda: shard.qkv_rows(tensor, "qkv"),
+            "z": lambda: shard.value_rows(tensor, full.value_head_dim, "z"),
+            "b": lambda: shard.value_rows(tensor, 1, "b"),
+            "a": lambda: shard.value_rows(tensor, 1, "a"),
+        }[shard_id]()
+        first = "b" if shard_id == "ba" else "qkv" if shard_id == "qkvz" else shard_id
+        param.data.narrow(0, self._offsets[first], rows.shape[0]).copy_(rows)
+
+
+class DeltaNetConv(nn.Module):
+    """The depthwise convolution's weight [channels, 1, kernel] for this rank's channels."""
+
+    def __init__(self, shard: DeltaNetShard) -> None:
+        super().__init__()
+        self.shard = shard
+        self.weight = nn.Parameter(
+            torch.empty(shard.local.conv_channels, 1, shard.full.conv_kernel), requires_grad=False
+        )
+
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset({None})
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        copy_into(param.data, self.shard.qkv_rows(tensor, "conv1d"), "conv1d")
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, spec: ModelSpec, state_index: int) -> None:
+    def __init__(self, spec: ModelSpec, state_index: int, parallel: TensorParallel) -> None:
         super().__init__()
-        linear = spec.linear_attention
-        self.linear, self.state_index = linear, state_index
-        self.in_proj = LinearAttentionProjection(spec.hidden_size, linear)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(linear.conv_channels, 1, linear.conv_kernel), requires_grad=False)
+        self.shard = DeltaNetShard.of(spec.linear_attention, parallel)
+        linear = self.linear = self.shard.local
+        self.state_index = state_index
+        self.in_proj = LinearAttentionProjection(spec.hidden_size, self.shard)
+        self.conv1d = DeltaNetConv(self.shard)
         self.dt_bias = nn.Parameter(torch.empty(linear.num_value_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(linear.num_value_heads), requires_grad=False)
         self.norm = GatedRMSNorm(linear.value_head_dim, spec.rms_norm_eps)
-        self.out_proj = Linear(linear.value_size, spec.hidden_size)
+        self.out_proj = RowParallelLinear(self.shard.full.value_size, spec.hidden_size, parallel)
+
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset({None})
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        """dt_bias and A_log: one value per value head."""
+        copy_into(param.data, self.shard.value_rows(tensor, 1, "per-head parameter"), "per-head parameter")
 
     def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
@@ -166,15 +255,13 @@ def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate, Gemma-style q/k norms and partial rotary."""
 
-    def __init__(self, spec: ModelSpec, kv_index: int) -> None:
+    def __init__(self, spec: ModelSpec, kv_index: int, parallel: TensorParallel) -> None:
         super().__init__()
-        self.kv_index, self.rotary_dim = kv_index, spec.rotary_dim
-        self.layer_spec = AttentionLayerSpec(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, spec.sliding_window
-        )
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": 2 * q_size, "k": kv_size, "v": kv_size})
-        self.o_proj = Linear(q_size, spec.hidden_size)
+        self.kv_index = kv_index
+        self.layer_spec = attention_layer_spec(spec, parallel)
+        # Each head's rows hold its query, then its gate: two head widths per query head.
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, attention_shards(spec, parallel, q_width=2))
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, parallel)
         self.q_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
 
@@ -197,9 +284,9 @@ class GatedAttention(nn.Module):
 class SharedExpertMoe(SparseMoe):
     """Routed experts plus one always-on expert scaled by a learned sigmoid gate."""
 
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__(*sparse_moe_args(spec))
-        self.shared_expert = DecoderMLP(spec, SINGLE, spec.shared_expert_size)
+    def __init__(self, spec: ModelSpec, parallel: TensorParallel) -> None:
+        super().__init__(*sparse_moe_args(spec), parallel)
+        self.shared_expert = DecoderMLP(spec, parallel, spec.shared_expert_size)
         self.shared_expert_gate = Linear(spec.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -212,11 +299,13 @@ class HybridDecoderLayer(ResidualBlock):
         super().__init__(spec, OffsetRMSNorm)
         self.is_linear = spec.layer_kind(index) == LINEAR_ATTENTION
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(spec, spec.kind_index(index))
+            self.linear_attn = GatedDeltaNet(spec, spec.kind_index(index), parallel)
         else:
-            self.self_attn = GatedAttention(spec, spec.kind_index(index))
-        if spec.is_moe_layer(index):
-            self.mlp = SharedExpertMoe(spec) if spec.shared_expert_size else SparseMoe(*sparse_moe_args(spec))
+            self.self_attn = GatedAttention(spec, spec.kind_index(index), parallel)
+        if spec.is_moe_layer(index) and spec.shared_expert_size:
+            self.mlp = SharedExpertMoe(spec, parallel)
+        elif spec.is_moe_layer(index):
+            self.mlp = SparseMoe(*sparse_moe_args(spec), parallel)
         else:
             self.mlp = DecoderMLP(spec, parallel)
 
@@ -227,11 +316,6 @@ class HybridDecoderLayer(ResidualBlock):
 
 class HybridForCausalLM(DecoderForCausalLM):
     def __init__(self, spec: ModelSpec, parallel: TensorParallel = SINGLE) -> None:
-        if parallel.size > 1:
-            raise ValueError(
-                f"{spec.architecture} does not support tensor parallelism yet (its linear-attention "
-                "layers are not sharded); run it with tensor_parallel_size=1"
-            )
         super().__init__(spec, parallel, HybridDecoderLayer, OffsetRMSNorm)
 
 

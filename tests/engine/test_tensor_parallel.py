@@ -12,10 +12,9 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.distributed import WorkerDiedError
-from tests.checkpoints import FAMILIES, HYBRID_FAMILIES
+from tests.checkpoints import FAMILIES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-DENSE_FAMILIES = [family for family in FAMILIES if family not in HYBRID_FAMILIES]
 
 
 def prompts() -> list[dict]:
@@ -23,7 +22,7 @@ def prompts() -> list[dict]:
     return [{"prompt_token_ids": torch.randint(0, 500, (n,), generator=generator).tolist()} for n in (1, 9, 70)]
 
 
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_give_the_same_greedy_tokens_as_one(family, checkpoint_dir):
     path = str(checkpoint_dir(family))
     settings = dict(max_num_batched_tokens=32, dtype="float32", kv_cache_memory_gb=0.05)
@@ -36,11 +35,6 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(family, checkpoint_dir):
         assert stats.num_used_pages == 0 and stats.num_running == 0
     finally:
         llm.engine.shutdown()
-
-
-def test_hybrid_models_refuse_tensor_parallelism_clearly(checkpoint_dir):
-    with pytest.raises(ValueError, match="does not support tensor parallelism yet"):
-        LLM(str(checkpoint_dir(HYBRID_FAMILIES[0])), tensor_parallel_size=2)
 
 
 def test_a_killed_worker_fails_the_engine_fast(checkpoint_dir):

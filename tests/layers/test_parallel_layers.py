@@ -132,3 +132,35 @@ def test_kv_heads_split_or_replicate_across_ranks(kv_heads, expected):
 def test_uneven_head_split_is_a_clear_error():
     with pytest.raises(ValueError, match="num_attention_heads \\(6\\) is not divisible by tensor_parallel_size 4"):
         TensorParallel(0, 4).split(6, "num_attention_heads")
+
+
+def test_deltanet_projection_ranks_hold_their_key_heads_and_the_value_heads_under_them():
+    from kestrel.core.recipe import LinearAttentionSpec
+    from kestrel.models.hybrid import DeltaNetShard, LinearAttentionProjection
+
+    torch.manual_seed(4)
+    linear = LinearAttentionSpec(
+        num_key_heads=2, num_value_heads=4, key_head_dim=3, value_head_dim=2, conv_kernel=4, grouped_projection=False
+    )
+    hidden = 5
+    tensors = {
+        "qkv": torch.randn(linear.conv_channels, hidden),
+        "z": torch.randn(linear.value_size, hidden),
+        "b": torch.randn(4, hidden),
+        "a": torch.randn(4, hidden),
+    }
+    x = torch.randn(2, hidden)
+    q, k, v = (x @ part.T for part in tensors["qkv"].split((6, 6, 8)))
+    z, b, a = (x @ tensors[name].T for name in ("z", "b", "a"))
+    for parallel in ranks():
+        layer = LinearAttentionProjection(hidden, DeltaNetShard.of(linear, parallel))
+        for name, tensor in tensors.items():
+            layer.load_shard(layer.weight, tensor, name)
+        got_qkv, got_z, got_b, got_a = layer.split(layer(x))
+        key_cols = slice(3 * parallel.rank, 3 * parallel.rank + 3)  # one key head of 3 dims
+        value_cols = slice(4 * parallel.rank, 4 * parallel.rank + 4)  # its two value heads of 2
+        heads = slice(2 * parallel.rank, 2 * parallel.rank + 2)
+        torch.testing.assert_close(got_qkv, torch.cat((q[:, key_cols], k[:, key_cols], v[:, value_cols]), dim=-1))
+        torch.testing.assert_close(got_z, z[:, value_cols])
+        torch.testing.assert_close(got_b, b[:, heads])
+        torch.testing.assert_close(got_a, a[:, heads])
