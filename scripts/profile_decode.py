@@ -47,7 +47,13 @@ def kernel_table(graphs, size: int, path: Path) -> None:
 
 
 def linear_bandwidth(device: torch.device) -> dict[str, float]:
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
+    shapes = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+        "lm_head": (128256, 4096),
+    }
     results = {}
     for name, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16)
@@ -62,6 +68,34 @@ def linear_bandwidth(device: torch.device) -> dict[str, float]:
         seconds = (time.perf_counter() - start) / 100
         results[name] = weight.numel() * 2 / seconds / 1e9
     return results
+
+
+def full_batch_steps(llm: LLM, out: Path, batch: int = 256, steps: int = 20) -> dict[str, float]:
+    """Engine decode steps of a full batch (wall time, host profile) against their graph replay."""
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(f"batch-{index}", list(range(100 + index, 228 + index)), params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine._requests.values()):
+        engine.step()
+    engine.step()
+    llm.engine.parts.runtime.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    (out / f"host_profile_batch{batch}.txt").write_text(text.getvalue())
+    replay = replay_ms(engine.parts.runner.graphs, batch, steps)
+    for index in range(batch):
+        engine.abort_request(f"batch-{index}")
+    return {f"engine_step_ms_{batch}": wall_ms, f"replay_ms_{batch}_ctx150": replay}
 
 
 def main() -> None:
@@ -96,7 +130,9 @@ def main() -> None:
     report["replay_ms_1"] = replay_ms(graphs, 1)
 
     engine = llm.engine
-    engine.add_request("profiled", prompt["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.add_request(
+        "profiled", prompt["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    )
     for _ in range(5):
         engine.step()
     profiler = cProfile.Profile()
@@ -109,12 +145,15 @@ def main() -> None:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
     (out / "host_profile.txt").write_text(text.getvalue())
     kernel_table(graphs, 1, out / "kernels_batch1.txt")
+    report.update(full_batch_steps(llm, out))
 
     # A full batch of long contexts: page tables pointing at real (garbage) pages.
     page_size = parts.kv.spec.page_size
     pages_per_seq = -(-args.context // page_size)
     size = graphs.buckets[-1]
-    table = torch.arange(size * pages_per_seq, device="cuda").view(size, pages_per_seq) % (parts.kv.allocator.num_pages - 1)
+    table = torch.arange(size * pages_per_seq, device="cuda").view(size, pages_per_seq) % (
+        parts.kv.allocator.num_pages - 1
+    )
     graphs.page_table[:size, :pages_per_seq] = table
     graphs.seq_lens[:size] = args.context
     graphs.positions[:size] = args.context - 1
