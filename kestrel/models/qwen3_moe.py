@@ -10,19 +10,24 @@ from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import DenseDecoderRecipe, decoder_bindings, read_dense_spec, reject_sliding_window_layers
 
 
+def read_qwen_moe(hf_config: object) -> MoeSpec:
+    """The routing fields Qwen's MoE configs share (Qwen3-MoE, Qwen3-Next)."""
+    return MoeSpec(
+        num_experts=hf_config.num_experts,
+        top_k=hf_config.num_experts_per_tok,
+        intermediate_size=hf_config.moe_intermediate_size,
+        renormalize=bool(hf_config.norm_topk_prob),
+        sparse_step=getattr(hf_config, "decoder_sparse_step", 1) or 1,
+        dense_layers=tuple(getattr(hf_config, "mlp_only_layers", None) or ()),
+    )
+
+
 class Qwen3MoeRecipe(DenseDecoderRecipe):
     architectures = ("Qwen3MoeForCausalLM",)
 
     def spec(self, hf_config: object) -> ModelSpec:
         reject_sliding_window_layers(hf_config, "Qwen3-MoE")
-        moe = MoeSpec(
-            num_experts=hf_config.num_experts,
-            top_k=hf_config.num_experts_per_tok,
-            intermediate_size=hf_config.moe_intermediate_size,
-            renormalize=bool(hf_config.norm_topk_prob),
-            sparse_step=getattr(hf_config, "decoder_sparse_step", 1) or 1,
-            dense_layers=tuple(getattr(hf_config, "mlp_only_layers", None) or ()),
-        )
+        moe = read_qwen_moe(hf_config)
         return read_dense_spec(
             hf_config,
             "Qwen3MoeForCausalLM",

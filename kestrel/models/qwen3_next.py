@@ -7,10 +7,11 @@ from torch import nn
 
 from kestrel.core.bindings import PackedMapping, WeightBindings
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.recipe import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec, MoeSpec
+from kestrel.core.recipe import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
 from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import read_dense_spec, read_rope
 from kestrel.models.hybrid import HybridForCausalLM, hybrid_bindings
+from kestrel.models.qwen3_moe import read_qwen_moe
 
 
 def read_hybrid_spec(hf_config: object, architecture: str, grouped_projection: bool, **family: object) -> ModelSpec:
@@ -54,16 +55,7 @@ class Qwen3NextRecipe(HybridRecipe):
     architectures = ("Qwen3NextForCausalLM",)
 
     def spec(self, hf_config: object) -> ModelSpec:
-        moe = None
-        if getattr(hf_config, "num_experts", 0):
-            moe = MoeSpec(
-                num_experts=hf_config.num_experts,
-                top_k=hf_config.num_experts_per_tok,
-                intermediate_size=hf_config.moe_intermediate_size,
-                renormalize=bool(hf_config.norm_topk_prob),
-                sparse_step=getattr(hf_config, "decoder_sparse_step", 1) or 1,
-                dense_layers=tuple(getattr(hf_config, "mlp_only_layers", None) or ()),
-            )
+        moe = read_qwen_moe(hf_config) if getattr(hf_config, "num_experts", 0) else None
         return read_hybrid_spec(
             hf_config,
             "Qwen3NextForCausalLM",
