@@ -89,18 +89,34 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = apply_top_p(logits, top_p)
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+TOP_P_CANDIDATES = 1024
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (-inf elsewhere).
+
+    The nucleus of a real model's distribution is small, so it is looked for among the top
+    TOP_P_CANDIDATES tokens first (a topk, not a sort of the whole vocabulary); only rows
+    whose candidates do not reach top_p sort the whole row.
+    """
+    all_probs = logits.softmax(dim=-1)
+    values, order = logits.topk(min(TOP_P_CANDIDATES, logits.shape[-1]), dim=-1)
+    probs = all_probs.gather(1, order)
+    if not bool((probs.sum(dim=-1) >= top_p).all()):
+        values, order = logits.sort(dim=-1, descending=True)
+        probs = all_probs.gather(1, order)
+    mass_before = probs.cumsum(dim=-1) - probs
+    kept = values.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, kept)
 
 
 CDF_BLOCK = 256

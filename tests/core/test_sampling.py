@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kestrel.core.sampling import Sampler, SamplingRow, apply_penalties, draw, filter_logits
+from kestrel.core.sampling import Sampler, SamplingRow, apply_penalties, apply_top_p, draw, filter_logits
 from kestrel.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -134,3 +134,17 @@ def test_draws_over_a_large_vocabulary_never_pick_filtered_tokens():
     for _ in range(200):
         tokens = draw(probs, [generator] * 8).tolist()
         assert all(token in allowed[i] for i, token in enumerate(tokens))
+
+
+@pytest.mark.parametrize("temperature", [0.05, 1.0, 8.0])  # peaked, typical, and nearly flat rows
+def test_top_p_from_candidates_equals_the_full_sort(temperature):
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 5000, generator=generator) / temperature
+    top_p = torch.tensor([0.1, 0.5, 0.9, 0.95, 0.99, 0.999])
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    drop = torch.zeros_like(logits, dtype=torch.bool).scatter(
+        1, order, sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]
+    )
+    expected = logits.masked_fill(drop, float("-inf"))
+    assert torch.equal(apply_top_p(logits, top_p), expected)
