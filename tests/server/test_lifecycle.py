@@ -90,3 +90,35 @@ def test_dead_engine_core_turns_health_to_503(server_model):
         assert failed.status_code == 503 and "engine is not running" in failed.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return children
+
+
+def test_tensor_parallel_server_answers_like_one_rank_and_stops_its_workers(server, server_model):
+    request = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 12, "temperature": 0}
+    expected = httpx.post(f"{server.base_url}/v1/completions", json=request, headers=server.headers)
+    split = ServerProcess(server_model, "--tensor-parallel-size", "2")
+    try:
+        [core] = split.core_pids()
+        workers = [pid for pid in _children(core) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1  # rank 1; rank 0 is the core itself
+        got = httpx.post(f"{split.base_url}/v1/completions", json=request, headers=split.headers)
+        assert got.status_code == 200
+        assert got.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
+        split.terminate()
+        split.process.wait(30)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{workers[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{workers[0]}").exists(), "the tensor-parallel worker outlived the server"
+    finally:
+        split.stop()
