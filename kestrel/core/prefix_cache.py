@@ -40,9 +40,10 @@ class PrefixCache:
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Pages holding the longest cached prefix of `tokens`, in order (full pages only)."""
         self._clock += 1
-        node, pages = self._root, []
-        for key in self._keys(tokens):
-            node = node.children.get(key)
+        node, pages, size = self._root, [], self.page_size
+        # Keys are cut one page at a time: most lookups miss on an early page.
+        for start in range(0, len(tokens) - size + 1, size):
+            node = node.children.get(tuple(tokens[start : start + size]))
             if node is None:
                 break
             node.last_used = self._clock

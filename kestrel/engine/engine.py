@@ -6,6 +6,7 @@ detokenize, check stops -> release finished requests' pages.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import deque
@@ -115,9 +116,14 @@ class LLMEngine:
         return self._absorb(plan.scheduled, output.results)
 
     def _queue_state(self) -> QueueState:
-        self._prefix_matches = {r.request_id: self._prefix_match(r) for r in self._waiting}
+        # The planner admits at most one request per free seat, in queue order: requests
+        # further back cannot run this step, so neither their views nor their prefix
+        # lookups are built (with hundreds waiting, that cost milliseconds per step).
+        seats = max(0, self.parts.planner.config.max_num_seqs - len(self._running))
+        candidates = list(itertools.islice(self._waiting, seats))
+        self._prefix_matches = {r.request_id: self._prefix_match(r) for r in candidates}
         return QueueState(
-            waiting=tuple(self._waiting_view(r) for r in self._waiting),
+            waiting=tuple(self._waiting_view(r) for r in candidates),
             running=tuple(self._view(r) for r in self._running),
         )
 
