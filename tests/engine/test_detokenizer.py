@@ -31,3 +31,17 @@ def test_incremental_text_is_the_decoded_output():
     detokenizer = IncrementalDetokenizer(hf, prompt, skip_special_tokens=True)
     pieces = [detokenizer.push(token) for token in output]
     assert "".join(pieces) == detokenizer.text == hf.decode(output, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_both_incremental_paths_rebuild_multibyte_text(streamed, monkeypatch):
+    if not streamed:  # the two-decode path, for tokenizers without a DecodeStream
+        monkeypatch.setattr("kestrel.engine.detokenizer._decode_stream", lambda context, skip: None)
+    hf = tokenizer()
+    text = " naïve café — 日本語 and emoji 🎉 done"
+    output = hf.encode(text)
+    detokenizer = IncrementalDetokenizer(hf, hf.encode("Prompt:"), skip_special_tokens=True)
+    assert (detokenizer._stream is not None) == streamed
+    pieces = [detokenizer.push(token) for token in output]
+    assert "".join(pieces) == hf.decode(output, skip_special_tokens=True)
+    assert all("\ufffd" not in piece for piece in pieces)  # never half a character
