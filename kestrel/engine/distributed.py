@@ -43,7 +43,8 @@ class WorkerDiedError(RuntimeError):
 
 @dataclass(frozen=True)
 class GroupAddress:
-    """Where the ranks meet: a file every rank on this host can reach."""
+    """Where the ranks meet: a torch.distributed init method (a file for ranks on one host,
+    a TCP address for ranks across hosts)."""
 
     init_method: str
     world_size: int
@@ -57,9 +58,14 @@ class GroupAddress:
 
 
 def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
-    """Each CUDA rank drives its own device; CPU ranks share the host."""
-    if args.device == "cuda" or (args.device == "auto" and _cuda_available()):
-        return replace(args, device=f"cuda:{rank}")
+    """Each CUDA rank drives its own device, counting from the one asked for ("cuda:2"
+    puts rank 1 on cuda:3); CPU ranks share the host."""
+    device = args.device
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
+    if device == "cuda" or device.startswith("cuda:"):
+        first = int(device.split(":", 1)[1]) if ":" in device else 0
+        return replace(args, device=f"cuda:{first + rank}")
     return args
 
 

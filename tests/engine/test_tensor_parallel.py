@@ -71,3 +71,14 @@ def test_two_ranks_through_a_local_ray_cluster(checkpoint_dir):
             llm.engine.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize(
+    "device, rank, expected",
+    [("cuda", 1, "cuda:1"), ("cuda:2", 1, "cuda:3"), ("cpu", 1, "cpu"), ("cuda:0", 0, "cuda:0")],
+)
+def test_each_cuda_rank_gets_its_own_device(device, rank, expected):
+    from kestrel.config import EngineArgs
+    from kestrel.engine.distributed import rank_args
+
+    assert rank_args(EngineArgs(model="m", device=device), rank).device == expected
