@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kestrel.core.attention.base import AttentionBackend
-from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk
+from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk, query_start_loc
 from kestrel.core.cuda_graphs import DecodeGraphs
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
@@ -196,15 +196,12 @@ class ModelRunner:
     def _bind_recurrent(self, layout: BatchLayout, ordered: list[SequenceWork]) -> RecurrentMetadata | None:
         if self.recurrent is None:
             return None
-        starts = [0]
-        for chunk in layout.chunks:
-            starts.append(starts[-1] + chunk.query_len)
         slot_ids = tuple(item.state_slot for item in ordered)
         has_state = tuple(item.num_cached_tokens > 0 for item in ordered)
         device = self.runtime.device
         return RecurrentMetadata(
             num_decodes=layout.num_decodes,
-            query_start_loc=tuple(starts),
+            query_start_loc=tuple(query_start_loc(layout.chunks)),
             slot_ids=slot_ids,
             has_state=has_state,
             slots=torch.tensor(slot_ids, dtype=torch.long, device=device),

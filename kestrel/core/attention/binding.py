@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec
-from kestrel.core.batch import BatchLayout, SequenceChunk, page_table, to_device
+from kestrel.core.batch import BatchLayout, SequenceChunk, page_table, query_start_loc, to_device
 from kestrel.core.graph import GraphPhase
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
@@ -96,9 +96,7 @@ class PagedAttentionBackend(AttentionBackend):
         )
 
     def _prefill_metadata(self, chunks: tuple[SequenceChunk, ...], first_row: int) -> PrefillMetadata:
-        starts = [first_row]
-        for chunk in chunks:
-            starts.append(starts[-1] + chunk.query_len)
+        starts = query_start_loc(chunks, first_row)
         cached = [chunk.num_cached_tokens for chunk in chunks]
         return PrefillMetadata(
             query_start_loc=tuple(starts),
