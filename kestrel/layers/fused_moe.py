@@ -45,11 +45,12 @@ def grouped_matmul_kernel(
     expert, as a linear layer's weight), optionally times weights[row]."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
-    if expert < 0:  # a block past the last expert's padded run
-        return
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(row_ids_ptr + offs_m)
-    valid = rows < num_rows  # padding rows hold num_rows
+    # Padding rows hold num_rows; a block past the last expert's run has expert -1 and
+    # computes nothing (masked, rather than returning early).
+    valid = (rows < num_rows) & (expert >= 0)
+    expert = tl.maximum(expert, 0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (rows // A_ROW_DIVISOR)[:, None] * stride_a
