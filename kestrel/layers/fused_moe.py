@@ -40,6 +40,7 @@ def grouped_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """C[row] = A[row // A_ROW_DIVISOR] @ B[expert]^T for the block's rows (B is [n, k] per
     expert, as a linear layer's weight), optionally times weights[row]."""
@@ -60,7 +61,7 @@ def grouped_matmul_kernel(
         in_k = start + offs_k < k
         a = tl.load(a_rows + (start + offs_k)[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
         b = tl.load(b_cols + (start + offs_k)[:, None], mask=in_k[:, None] & (offs_n < n)[None, :], other=0.0)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=PRECISION)
     if SCALE_BY_WEIGHT:
         acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(
@@ -124,6 +125,8 @@ def _grouped_matmul(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
+        # float32 models get exact float32 products (their outputs are compared with HF's).
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
     )
     return out
 
