@@ -22,6 +22,11 @@ class CudaRuntime(DeviceRuntime):
     def device(self) -> torch.device:
         return self._device
 
+    def configure_process(self) -> None:
+        # Triton launches on the current device and NCCL binds its communicator to it: make
+        # it this runtime's GPU (a tensor-parallel rank's, or the one --device names).
+        torch.cuda.set_device(self._device)
+
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16, torch.float16, torch.float32)
 
