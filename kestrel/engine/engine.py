@@ -297,7 +297,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_token_ids=request.prompt_token_list,
             prompt_logprobs=request.prompt_logprobs,
             outputs=[completion],
             finished=request.status is RequestStatus.FINISHED,

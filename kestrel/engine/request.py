@@ -36,9 +36,13 @@ class Request:
     text: str = ""
     arrival_time: float = 0.0  # time.monotonic() at add_request
     first_scheduled_time: float | None = None
+    # The prompt as the list every output of this request shares: a streamed request with a
+    # long prompt would otherwise copy it on every step.
+    prompt_token_list: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.prompt_token_list = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
         if self.params.prompt_logprobs is not None:
