@@ -56,8 +56,9 @@ def build_tokenizer(vocab_size: int = 2048):
     )
 
 
-def make_demo_model(output_dir: str | Path, seed: int = 0) -> Path:
-    """Write a ~1M-parameter Qwen3 checkpoint (safetensors) and its tokenizer to `output_dir`."""
+def make_demo_model(output_dir: str | Path, seed: int = 0, **shape: int) -> Path:
+    """Write a ~1M-parameter Qwen3 checkpoint (safetensors) and its tokenizer to `output_dir`;
+    `shape` overrides config fields (hidden_size, num_hidden_layers, ...)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -65,7 +66,7 @@ def make_demo_model(output_dir: str | Path, seed: int = 0) -> Path:
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3Config(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=384,
@@ -80,6 +81,7 @@ def make_demo_model(output_dir: str | Path, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         initializer_range=0.1,
     )
+    config = Qwen3Config(**(fields | shape))
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(output)
     tokenizer.save_pretrained(output)

@@ -13,31 +13,9 @@ import argparse
 import random
 import tempfile
 import time
-from pathlib import Path
-
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kestrel import LLM, SamplingParams
-from kestrel.demo import build_tokenizer
-
-
-def tiny_checkpoint(directory: Path) -> Path:
-    tokenizer = build_tokenizer(vocab_size=512)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+from kestrel.demo import make_demo_model
 
 
 def main() -> None:
@@ -48,7 +26,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        llm = LLM(str(tiny_checkpoint(Path(directory))), max_num_seqs=args.running, kv_cache_memory_gb=2)
+        tiny = make_demo_model(
+            directory,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
+        )
+        llm = LLM(str(tiny), max_num_seqs=args.running, kv_cache_memory_gb=2)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=1.0, max_tokens=10_000, ignore_eos=True)
