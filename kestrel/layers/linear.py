@@ -1,5 +1,5 @@
 """Linear layers. Sharded ones (column- and row-parallel) know which slice of each
-checkpoint tensor the rank holds and load it there; merged ones stack several tensors."""
+checkpoint tensor the rank holds and load it there; a column-parallel one may stack several tensors (q, k, v)."""
 
 from __future__ import annotations
 
@@ -78,13 +78,6 @@ class ColumnParallelLinear(Linear):
 
     def split(self, output: torch.Tensor) -> list[torch.Tensor]:
         return list(output.split(list(self.output_sizes.values()), dim=-1))
-
-
-class MergedLinear(ColumnParallelLinear):
-    """Several whole projections of one input stacked along the output (one rank)."""
-
-    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, {name: ShardSlice.whole(size) for name, size in output_sizes.items()}, bias)
 
 
 class RowParallelLinear(Linear):

@@ -12,7 +12,7 @@ import torch
 from kestrel.core.parallel import TensorParallel
 from kestrel.core.recipe import ModelSpec, RopeSpec
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
-from kestrel.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear, ShardSlice
+from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import SparseMoe
 from kestrel.models.dense import attention_shards
 
@@ -41,7 +41,7 @@ def test_column_parallel_stack_joins_back_into_the_whole():
     torch.manual_seed(0)
     q, k = torch.randn(8, 6), torch.randn(4, 6)
     x = torch.randn(3, 6)
-    whole = MergedLinear(6, {"q": 8, "k": 4})
+    whole = ColumnParallelLinear(6, {"q": ShardSlice.whole(8), "k": ShardSlice.whole(4)})
     load(whole, {"q": q, "k": k}, {"q": ("weight", "q"), "k": ("weight", "k")})
     parts = []
     for parallel in ranks():
