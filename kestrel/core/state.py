@@ -97,7 +97,11 @@ class PageAllocator:
         for page in reversed(self._owned.pop(request_id, [])):
             self._refs[page] -= 1
             self._num_used -= self._refs[page] == 0
-            if self._refs[page] == 0 and (self.prefix_cache is None or page not in self.prefix_cache):
+            if self._refs[page] > 0:
+                continue
+            if self.prefix_cache is not None and page in self.prefix_cache:
+                self.prefix_cache.offer(page)  # unused but cached: evictable from now on
+            else:
                 self._free.append(page)
 
     def pages_of(self, request_id: str) -> list[int]:
