@@ -84,3 +84,13 @@ class BatchInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
+
+
+def values_to_device(values: Sequence[int | float | bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list onto `device` without waiting for the device: `torch.tensor(...,
+    device=cuda)` copies from pageable memory, which waits for all queued GPU work and would
+    stall a step launched while the previous one still runs."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

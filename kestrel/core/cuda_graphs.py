@@ -7,7 +7,7 @@ to it alone, so they touch no request's state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -90,8 +90,18 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def run(self, layout: BatchLayout, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a decode-only step, by replaying the bucket's graph."""
+    def run(
+        self,
+        layout: BatchLayout,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        fill_input_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a decode-only step, by replaying the bucket's graph.
+
+        `fill_input_ids`, if given, amends the static input ids on the device before the
+        replay (the runner writes tokens sampled by the previous step, not yet on the host).
+        """
         count = len(layout.chunks)
         size = self.bucket_for(count)
         scratch = self.kv.scratch_page
@@ -110,6 +120,8 @@ class DecodeGraphs:
         device = self.input_ids.device
         self.vectors[:, :size].copy_(to_device(vectors, device))
         self.page_table[:size, : table.shape[1]].copy_(to_device(table, device))
+        if fill_input_ids is not None:
+            fill_input_ids(self.input_ids[:count])
         key = GraphKey(GraphPhase.DECODE, size)
         self._graphs[key].replay()
         return self._logits[key][:count]

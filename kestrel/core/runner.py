@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from kestrel.core.attention.base import AttentionBackend
-from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk, query_start_loc
+from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk, query_start_loc, values_to_device
 from kestrel.core.cuda_graphs import DecodeGraphs
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
 from kestrel.core.runtime import DeviceRuntime
-from kestrel.core.sampling import SampledToken, Sampler, SamplingRow, TokenLogprobs, top_logprobs
+from kestrel.core.runtime.base import HostTransfer
+from kestrel.core.sampling import DeviceSamples, LogprobTensors, SampledToken, Sampler, SamplingRow, TokenLogprobs
 from kestrel.core.state import PagedKVProvider, RecurrentStateProvider
 from kestrel.core.workspace import Workspace
 from kestrel.sampling_params import SamplingParams
@@ -42,6 +43,10 @@ class SequenceWork:
     # Where prompt logprobs are wanted: the token that follows each of the first positions.
     prompt_logprob_targets: tuple[int, ...] = ()
     state_slot: int | None = None  # hybrid models: the request's recurrent state slot
+    # The chunk's last token is the one this request sampled in the previous step, still on
+    # the device when this step was planned (overlapped scheduling): `token_ids` holds a
+    # placeholder there, and the runner takes the token from its last samples.
+    follows_last_sample: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -58,6 +63,56 @@ class SequenceResult:
 @dataclass(frozen=True)
 class StepOutput:
     results: tuple[SequenceResult, ...]
+
+
+@dataclass(frozen=True)
+class _PromptLogprobs:
+    request_id: str
+    count: int
+    details: LogprobTensors
+
+
+class LaunchedStep:
+    """A step queued on the device; `result()` waits for its samples and reads them."""
+
+    def __init__(
+        self,
+        ordered: list[SequenceWork],
+        sampled_ids: list[str],
+        samples: DeviceSamples | None,
+        prompt: list[_PromptLogprobs],
+        transfer: HostTransfer | None,
+    ) -> None:
+        self._ordered, self._sampled_ids, self._samples = ordered, sampled_ids, samples
+        self._prompt, self._transfer = prompt, transfer
+
+    def result(self) -> StepOutput:
+        if self._transfer is None:  # a rank that leaves sampling to rank 0
+            return StepOutput(())
+        host = self._transfer.wait()
+        sampled = {}
+        if self._samples is not None:
+            count = len(self._samples.tensors())
+            sampled = dict(zip(self._sampled_ids, self._samples.package(host[:count])))
+            host = host[count:]
+        prompt = {}
+        for index, entry in enumerate(self._prompt):
+            parts = host[5 * index : 5 * index + 5]
+            prompt[entry.request_id] = tuple(LogprobTensors.package(parts, [entry.count] * len(parts[0])))
+        return StepOutput(
+            tuple(
+                SequenceResult(item.request_id, sampled.get(item.request_id), prompt.get(item.request_id, ()))
+                for item in self._ordered
+            )
+        )
+
+
+@dataclass(frozen=True)
+class _LastSamples:
+    """The previous step's sampled tokens on the device, and which row is whose."""
+
+    rows: dict[str, int]
+    tokens: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -93,6 +148,7 @@ class ModelRunner:
             self.workspace.reserve(name, max_num_batched_tokens, torch.long)
         backend.allocate(self.workspace)
         self._generators: dict[str, random.Random] = {}
+        self._last: _LastSamples | None = None  # the samples of the step launched last
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
@@ -144,24 +200,55 @@ class ModelRunner:
                     self.recurrent.release(request_id)
                 self.release(request_id)
 
-    @torch.inference_mode()
     def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+        """Run one step and wait for its results."""
+        return self.launch(work).result()
+
+    @torch.inference_mode()
+    def launch(self, work: Sequence[SequenceWork]) -> LaunchedStep:
+        """Queue one step on the device (forward, sampling, the copy of the samples to the
+        host) and return without waiting for it."""
         ordered = sorted(work, key=lambda item: not item.is_decode)  # stable: decodes first
         layout = self._layout(ordered)
         token_ids, positions, logits_indices, rows = self._host_inputs(ordered)
+        follows = self._follow_rows(ordered, token_ids)
         if self._fits_graph(ordered):
-            logits = self.graphs.run(layout, token_ids, positions)
+            logits = self.graphs.run(layout, token_ids, positions, lambda ids: self._take_last_samples(ids, follows))
         else:
-            logits = self._run_eager(layout, ordered, token_ids, positions, logits_indices)
+            logits = self._run_eager(layout, ordered, token_ids, positions, logits_indices, follows)
+        self._last = None
         if not self.samples:
-            return StepOutput(())
-        sampled = self._sample(ordered, rows, logits)
+            return LaunchedStep(ordered, [], None, [], None)
+        sampled_ids, samples = self._sample(ordered, rows, logits)
+        if samples is not None:
+            self._last = _LastSamples({request_id: row for row, request_id in enumerate(sampled_ids)}, samples.tokens)
         prompt = self._prompt_logprobs(ordered, rows, logits)
-        results = tuple(
-            SequenceResult(item.request_id, sampled.get(item.request_id), prompt.get(item.request_id, ()))
-            for item in ordered
-        )
-        return StepOutput(results)
+        tensors = (samples.tensors() if samples is not None else []) + [
+            t for entry in prompt for t in entry.details.tensors()
+        ]
+        return LaunchedStep(ordered, sampled_ids, samples, prompt, self.runtime.to_host_async(tensors))
+
+    def _follow_rows(self, ordered: list[SequenceWork], token_ids: list[int]) -> list[tuple[int, int]]:
+        """(input position, row of the last samples) for each chunk whose last token is still
+        on the device."""
+        follows, end = [], 0
+        for item in ordered:
+            end += len(item.token_ids)
+            if item.follows_last_sample:
+                if self._last is None or item.request_id not in self._last.rows:
+                    raise RuntimeError(f"request {item.request_id} follows a sample the last step did not draw")
+                follows.append((end - 1, self._last.rows[item.request_id]))
+        return follows
+
+    def _take_last_samples(self, input_ids: torch.Tensor, follows: list[tuple[int, int]]) -> None:
+        """Write the previous step's samples into this step's input ids, on the device."""
+        if not follows:
+            return
+        positions, rows = zip(*follows)
+        device = input_ids.device
+        input_ids[values_to_device(positions, torch.long, device)] = self._last.tokens[
+            values_to_device(rows, torch.long, device)
+        ]
 
     def _layout(self, ordered: list[SequenceWork]) -> BatchLayout:
         chunks = tuple(SequenceChunk(len(item.token_ids), item.num_cached_tokens, item.page_ids) for item in ordered)
@@ -181,12 +268,14 @@ class ModelRunner:
         token_ids: list[int],
         positions: list[int],
         logits_indices: list[int],
+        follows: list[tuple[int, int]],
     ) -> torch.Tensor:
         inputs = BatchInputs(
             input_ids=self._stage("input_ids", token_ids),
             positions=self._stage("positions", positions),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.runtime.device),
+            logits_indices=values_to_device(logits_indices, torch.long, self.runtime.device),
         )
+        self._take_last_samples(inputs.input_ids, follows)
         context = ForwardContext(
             self.backend, self.backend.bind(layout), self.kv, self.recurrent, self._bind_recurrent(layout, ordered)
         )
@@ -204,8 +293,8 @@ class ModelRunner:
             query_start_loc=tuple(query_start_loc(layout.chunks)),
             slot_ids=slot_ids,
             has_state=has_state,
-            slots=torch.tensor(slot_ids, dtype=torch.long, device=device),
-            has_state_tensor=torch.tensor(has_state, dtype=torch.bool, device=device),
+            slots=values_to_device(slot_ids, torch.long, device),
+            has_state_tensor=values_to_device(has_state, torch.bool, device),
         )
 
     def _host_inputs(self, ordered: list[SequenceWork]) -> tuple[list[int], list[int], list[int], list[_LogitRows]]:
@@ -229,7 +318,7 @@ class ModelRunner:
 
     def _stage(self, name: str, values: list[int]) -> torch.Tensor:
         buffer = self.workspace.get(name, (len(values),), torch.long)
-        buffer.copy_(torch.tensor(values, dtype=torch.long))
+        buffer.copy_(values_to_device(values, torch.long, buffer.device))
         return buffer
 
     def _generator(self, item: SequenceWork) -> random.Random:
@@ -241,29 +330,29 @@ class ModelRunner:
 
     def _sample(
         self, ordered: list[SequenceWork], rows: list[_LogitRows], logits: torch.Tensor
-    ) -> dict[str, SampledToken]:
+    ) -> tuple[list[str], DeviceSamples | None]:
         chosen = [(item, r.sample_row) for item, r in zip(ordered, rows) if r.sample_row is not None]
         if not chosen:
-            return {}
+            return [], None
         sampling_rows = [
             SamplingRow(item.params, self._generator(item), item.prompt_token_ids, item.output_token_ids)
             for item, _ in chosen
         ]
         row_ids = [row for _, row in chosen]
         if row_ids != list(range(logits.shape[0])):  # a copy of the logits only when rows are skipped
-            logits = logits[torch.tensor(row_ids, dtype=torch.long, device=logits.device)]
-        tokens = self.sampler.sample(logits, sampling_rows)
-        return {item.request_id: token for (item, _), token in zip(chosen, tokens)}
+            logits = logits[values_to_device(row_ids, torch.long, logits.device)]
+        samples = self.sampler.sample_on_device(logits, sampling_rows)
+        return [item.request_id for item, _ in chosen], samples
 
     def _prompt_logprobs(
         self, ordered: list[SequenceWork], rows: list[_LogitRows], logits: torch.Tensor
-    ) -> dict[str, tuple[TokenLogprobs, ...]]:
-        results = {}
+    ) -> list[_PromptLogprobs]:
+        results = []
         for item, r in zip(ordered, rows):
             if not item.prompt_logprob_targets:
                 continue
             logprobs = logits[r.prompt_rows.start : r.prompt_rows.stop].log_softmax(dim=-1)
-            targets = torch.tensor(item.prompt_logprob_targets, dtype=torch.long, device=logits.device)
+            targets = values_to_device(item.prompt_logprob_targets, torch.long, logits.device)
             count = item.params.prompt_logprobs or 0
-            results[item.request_id] = tuple(top_logprobs(logprobs, targets, [count] * len(targets)))
+            results.append(_PromptLogprobs(item.request_id, count, LogprobTensors.of(logprobs, targets, count)))
         return results

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kestrel.core.batch import values_to_device
 from kestrel.sampling_params import SamplingParams
 
 
@@ -53,10 +54,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             continue
         line = logits[index]
         if params.repetition_penalty != 1:
-            seen = torch.tensor(
-                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-                dtype=torch.long,
-                device=logits.device,
+            seen = values_to_device(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), torch.long, logits.device
             )
             if seen.numel():
                 values = line[seen]
@@ -65,7 +64,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
                 )
                 line[seen] = penalised
         if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
-            ids = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=logits.device)
+            ids = values_to_device(list(row.output_token_ids), torch.long, logits.device)
             counts = torch.zeros_like(line).index_add_(0, ids, torch.ones_like(ids, dtype=line.dtype))
             line -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
@@ -75,23 +74,23 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """Temperature, then top-k, top-p and min-p; filtered-out entries become -inf."""
     device = logits.device
     if any(p.temperature != 1.0 for p in params):
-        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+        temperature = values_to_device([p.temperature for p in params], logits.dtype, device)
         logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if any(p.top_k for p in params):
         # Only the largest k in use is needed: topk, not a sort of the whole vocabulary;
         # rows without top-k keep everything.
         widest = min(max(p.top_k for p in params), vocab)
-        top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=device)
+        top_k = values_to_device([min(p.top_k, vocab) for p in params], torch.long, device)
         largest = logits.topk(widest, dim=-1).values
         kth = largest.gather(1, (top_k - 1).clamp(min=0)[:, None])
         kth = kth.masked_fill((top_k == 0)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        top_p = values_to_device([p.top_p for p in params], logits.dtype, device)
         logits = apply_top_p(logits, top_p)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+        min_p = values_to_device([p.min_p for p in params], logits.dtype, device)
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -129,7 +128,7 @@ def draw(probs: torch.Tensor, generators: Sequence[random.Random]) -> torch.Tens
     sums, then a cumulative sum inside the chosen block only) keep this cheap on the CPU.
     """
     rows, vocab = probs.shape
-    uniforms = torch.tensor([g.random() for g in generators], dtype=probs.dtype).to(probs.device)
+    uniforms = values_to_device([g.random() for g in generators], probs.dtype, probs.device)
     padding = (-vocab) % CDF_BLOCK
     blocks = (F.pad(probs, (0, padding)) if padding else probs).view(rows, -1, CDF_BLOCK)
     block_mass = blocks.sum(dim=-1)
@@ -146,29 +145,77 @@ def draw(probs: torch.Tensor, generators: Sequence[random.Random]) -> torch.Tens
     return block[:, 0] * CDF_BLOCK + torch.minimum(offset, last_nonzero)
 
 
+@dataclass(frozen=True)
+class LogprobTensors:
+    """Per row, on the device: the chosen token, its logprob and rank, and the row's top
+    entries (as many as the widest request asked for)."""
+
+    chosen: torch.Tensor
+    chosen_logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_ids: torch.Tensor
+    top_values: torch.Tensor
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, chosen: torch.Tensor, widest: int) -> LogprobTensors:
+        top_values, top_ids = logprobs.topk(widest, dim=-1)
+        chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+        ranks = (logprobs > chosen_logprobs[:, None]).sum(dim=-1) + 1
+        return cls(chosen, chosen_logprobs, ranks, top_ids, top_values)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chosen, self.chosen_logprobs, self.ranks, self.top_ids, self.top_values]
+
+    @staticmethod
+    def package(host: Sequence[torch.Tensor], num_top: Sequence[int]) -> list[TokenLogprobs]:
+        """`tensors()` as copied to the host, into one TokenLogprobs per row."""
+        chosen, chosen_logprobs, ranks, top_ids, top_values = (t.tolist() for t in host)
+        return [
+            TokenLogprobs(
+                token_id=chosen[index],
+                logprob=chosen_logprobs[index],
+                rank=ranks[index],
+                top_token_ids=tuple(top_ids[index][:count]),
+                top_logprobs=tuple(top_values[index][:count]),
+            )
+            for index, count in enumerate(num_top)
+        ]
+
+
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """Per row: the chosen token's logprob and rank, and the row's top `num_top[i]` entries."""
-    widest = max(num_top)
-    top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (None, None)
-    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
-    ranks = (logprobs > chosen_logprobs[:, None]).sum(dim=-1) + 1
-    results = []
-    for index, count in enumerate(num_top):
-        results.append(
-            TokenLogprobs(
-                token_id=int(chosen[index]),
-                logprob=float(chosen_logprobs[index]),
-                rank=int(ranks[index]),
-                top_token_ids=tuple(top_ids[index, :count].tolist()) if count else (),
-                top_logprobs=tuple(top_values[index, :count].tolist()) if count else (),
-            )
-        )
-    return results
+    details = LogprobTensors.of(logprobs, chosen, max(num_top))
+    return LogprobTensors.package([t.cpu() for t in details.tensors()], num_top)
+
+
+@dataclass(frozen=True)
+class DeviceSamples:
+    """One step's draws, still on the device: a token per row, and logprob details for the
+    rows that asked. `tensors()` go to the host together; `package` reads them there."""
+
+    tokens: torch.Tensor
+    logprob_rows: tuple[int, ...]
+    num_top: tuple[int, ...]
+    logprobs: LogprobTensors | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tokens] + (self.logprobs.tensors() if self.logprobs is not None else [])
+
+    def package(self, host: Sequence[torch.Tensor]) -> list[SampledToken]:
+        token_list = host[0].tolist()
+        details = LogprobTensors.package(host[1:], self.num_top) if self.logprobs is not None else []
+        by_row = dict(zip(self.logprob_rows, details))
+        return [SampledToken(token_id=t, logprobs=by_row.get(i)) for i, t in enumerate(token_list)]
 
 
 class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        """`logits` [rows, vocab] in float32, straight from the model."""
+        """`logits` [rows, vocab] in float32, straight from the model; waits for the device."""
+        samples = self.sample_on_device(logits, rows)
+        return samples.package([t.cpu() for t in samples.tensors()])
+
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSamples:
+        """Queue the draws without waiting for the device (host-side uniforms included)."""
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = logits.log_softmax(dim=-1)
@@ -181,23 +228,17 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = logits.argmax(dim=-1)
-            index = torch.tensor(random_rows, device=logits.device)
+            index = values_to_device(random_rows, torch.long, logits.device)
             tokens[index] = self._draw(logits[index], [rows[i] for i in random_rows])
-        return self._package(tokens, raw_logprobs, rows)
+        if raw_logprobs is None:
+            return DeviceSamples(tokens, (), (), None)
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        num_top = tuple(rows[i].params.logprobs for i in wanted)
+        index = values_to_device(wanted, torch.long, tokens.device)
+        details = LogprobTensors.of(raw_logprobs[index], tokens[index], max(num_top))
+        return DeviceSamples(tokens, tuple(wanted), num_top, details)
 
     @staticmethod
     def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         filtered = filter_logits(logits, [row.params for row in rows])
         return draw(filtered.softmax(dim=-1), [row.generator for row in rows])
-
-    def _package(
-        self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]
-    ) -> list[SampledToken]:
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return [SampledToken(token_id=t, logprobs=None) for t in token_list]
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        index = torch.tensor(wanted, device=tokens.device)
-        details = top_logprobs(raw_logprobs[index], tokens[index], [rows[i].params.logprobs for i in wanted])
-        by_row = dict(zip(wanted, details))
-        return [SampledToken(token_id=t, logprobs=by_row.get(i)) for i, t in enumerate(token_list)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,19 @@ class MemoryInfo:
 
     free_bytes: int
     total_bytes: int
+
+
+class HostTransfer:
+    """Device tensors on their way to the host; `wait` returns the host copies.
+
+    The base class is for tensors already on the host: nothing to wait for.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = list(tensors)
+
+    def wait(self) -> list[torch.Tensor]:
+        return self._tensors
 
 
 class DeviceRuntime(ABC):
@@ -54,6 +67,11 @@ class DeviceRuntime(ABC):
         """
         run()
         return 0
+
+    def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
+        """Start copying `tensors` to the host behind the work queued so far; the host does
+        not wait until `wait()` is called on the result."""
+        return HostTransfer(tensors)
 
     def configure_process(self) -> None:
         """Process-wide settings this device wants before the first step; none by default."""

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo
+from kestrel.core.runtime.base import DeviceRuntime, HostTransfer, MemoryInfo
+
+
+class _CudaHostTransfer(HostTransfer):
+    """Copies into pinned host memory on the current stream, and an event marking their end."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for target, source in zip(host, tensors):
+            target.copy_(source, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+        super().__init__(host)
+
+    def wait(self) -> list[torch.Tensor]:
+        self._done.synchronize()
+        return super().wait()
 
 
 class CudaRuntime(DeviceRuntime):
@@ -42,6 +58,9 @@ class CudaRuntime(DeviceRuntime):
 
     def distributed_backend(self) -> str:
         return "nccl"
+
+    def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
+        return _CudaHostTransfer(tensors)
 
     def peak_bytes_during(self, run: Callable[[], None]) -> int:
         self.synchronize()
