@@ -19,6 +19,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan the next step while the device runs this one (single rank)",
+    )
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
@@ -38,6 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         load_format=args.load_format,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,

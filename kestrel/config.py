@@ -26,6 +26,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
     distributed_executor_backend: str = "mp"  # "mp" (processes on this host) | "ray"
+    # Plan and launch step N+1 before reading step N's samples, so host work overlaps the
+    # device's. Single-rank engines only; steps that need every token on the host (penalties,
+    # prompt logprobs) still wait.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         checks = [

@@ -1,15 +1,13 @@
 """Where an offline throughput run spends its time, step by step.
 
 Runs the throughput workload (random prompts, `ignore_eos`, temperature 1.0) through the
-engine, timing each step's phases: planning, resolving work, the runner's input
-preparation, the forward (synchronised, so its time is the GPU's), sampling and absorbing
-results. Steps are grouped by kind (decode-only, or with prefill tokens) and summed.
+engine and times every step, and within it the time the host spends blocked on the device
+(reading a step's samples). What is left is host work the device may have to wait for:
+with overlapped scheduling it runs while the device computes the step launched before.
+Steps are grouped by kind (decode-only, or with prefill tokens) and summed.
 
     python scripts/step_timeline.py --dummy-config llama-3-8b --device cuda --dtype bfloat16 \
         --num-prompts 512 --input-len 1000 --output-len 1000 --out out/timeline.json
-
-Phase timing synchronises the device after the forward, which the engine does anyway when
-it reads the sampled tokens, so the total matches an untimed run closely.
 """
 
 from __future__ import annotations
@@ -22,56 +20,30 @@ from pathlib import Path
 
 from kestrel import LLM, SamplingParams
 from kestrel.bench.throughput import random_prompts
-from kestrel.core.planner import Capacity
 from kestrel.sampling_params import RequestOutputKind
 
 
-class PhaseClock:
-    def __init__(self, synchronize) -> None:
-        self.synchronize = synchronize
-        self.phases: dict[str, float] = defaultdict(float)
-        self._last = time.perf_counter()
+class BlockedClock:
+    """Wraps the executor so the time spent waiting in a step's `result()` is summed."""
 
-    def lap(self, phase: str, sync: bool = False) -> None:
-        if sync:
-            self.synchronize()
-        now = time.perf_counter()
-        self.phases[phase] += now - self._last
-        self._last = now
+    def __init__(self, executor) -> None:
+        self.blocked = 0.0
+        launch = executor.launch
 
+        def timed_launch(work):
+            pending = launch(work)
+            result = pending.result
 
-def timed_step(engine, clock: PhaseClock):
-    parts = engine.parts
-    runner = parts.runner
-    plan = parts.planner.plan(engine._queue_state(), Capacity(parts.kv.free_capacity(), parts.kv.spec.page_size))
-    engine._apply(plan)
-    clock.lap("plan")
-    work = [engine._work_for(chunk) for chunk in plan.scheduled]
-    clock.lap("work")
-    if not work:
-        return plan, []
-    ordered = sorted(work, key=lambda item: not item.is_decode)
-    layout = runner._layout(ordered)
-    token_ids, positions, logits_indices, rows = runner._host_inputs(ordered)
-    clock.lap("prepare")
-    if runner._fits_graph(ordered):
-        logits = runner.graphs.run(layout, token_ids, positions)
-        clock.lap("forward_graph", sync=True)
-    else:
-        logits = runner._run_eager(layout, ordered, token_ids, positions, logits_indices)
-        clock.lap("forward_eager", sync=True)
-    sampled = runner._sample(ordered, rows, logits)
-    prompt = runner._prompt_logprobs(ordered, rows, logits)
-    clock.lap("sample")
-    from kestrel.core.runner import SequenceResult
+            def timed_result():
+                start = time.perf_counter()
+                output = result()
+                self.blocked += time.perf_counter() - start
+                return output
 
-    results = tuple(
-        SequenceResult(item.request_id, sampled.get(item.request_id), prompt.get(item.request_id, ()))
-        for item in ordered
-    )
-    outputs = engine._absorb(plan.scheduled, results)
-    clock.lap("absorb")
-    return plan, outputs
+            pending.result = timed_result
+            return pending
+
+        executor.launch = timed_launch
 
 
 def main() -> None:
@@ -86,6 +58,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=1000)
     parser.add_argument("--out", default="timeline.json")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     llm = LLM(
         args.model or args.dummy_config,
@@ -94,6 +67,7 @@ def main() -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        async_scheduling=args.async_scheduling,
     )
     engine = llm.engine
     spec = engine.parts.spec
@@ -107,20 +81,32 @@ def main() -> None:
     for index, prompt in enumerate(random_prompts(args.num_prompts, args.input_len, spec.vocab_size)):
         engine.add_request(str(index), prompt, params)
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    clock = BlockedClock(engine.parts.executor)
+    planner = engine.parts.planner
+    plan_of_step = []
+    original_plan = planner.plan
+
+    def recording_plan(queue, capacity):
+        plan = original_plan(queue, capacity)
+        plan_of_step.append(plan)
+        return plan
+
+    planner.plan = recording_plan
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        clock = PhaseClock(engine.parts.runtime.synchronize)
-        step_start = time.perf_counter()
-        plan, _ = timed_step(engine, clock)
-        prefill_tokens = sum(c.num_new_tokens for c in plan.scheduled if c.num_new_tokens > 1)
-        kind = "decode_only" if prefill_tokens == 0 else "with_prefill"
-        totals = kinds[kind]
+        plan_of_step.clear()
+        blocked_before, step_start = clock.blocked, time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - step_start
+        scheduled = [c for plan in plan_of_step for c in plan.scheduled]
+        prefill_tokens = sum(c.num_new_tokens for c in scheduled if c.num_new_tokens > 1)
+        totals = kinds["decode_only" if prefill_tokens == 0 else "with_prefill"]
         totals["steps"] += 1
-        totals["seconds"] += time.perf_counter() - step_start
+        totals["seconds"] += seconds
+        totals["blocked_on_device"] += clock.blocked - blocked_before
+        totals["host"] += seconds - (clock.blocked - blocked_before)
         totals["prefill_tokens"] += prefill_tokens
-        totals["decode_rows"] += sum(1 for c in plan.scheduled if c.num_new_tokens == 1)
-        for phase, seconds in clock.phases.items():
-            totals[phase] += seconds
+        totals["decode_rows"] += sum(1 for c in scheduled if c.num_new_tokens == 1)
     total = time.perf_counter() - start
     report = {
         "args": vars(args),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -63,6 +64,22 @@ class SequenceResult:
 @dataclass(frozen=True)
 class StepOutput:
     results: tuple[SequenceResult, ...]
+
+
+class PendingStep(Protocol):
+    """A step handed to an executor; `result()` blocks until its results are on the host."""
+
+    def result(self) -> StepOutput: ...
+
+
+@dataclass(frozen=True)
+class CompletedStep:
+    """A step that already finished (executors that run steps synchronously)."""
+
+    output: StepOutput
+
+    def result(self) -> StepOutput:
+        return self.output
 
 
 @dataclass(frozen=True)

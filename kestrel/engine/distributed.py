@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from kestrel.config import EngineArgs
 from kestrel.core.parallel import TensorParallel
-from kestrel.core.runner import ModelRunner, SequenceWork, StepOutput
+from kestrel.core.runner import CompletedStep, LaunchedStep, ModelRunner, SequenceWork, StepOutput
 
 # A collective that waits longer than this on a silent peer fails instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -167,6 +167,13 @@ class TensorParallelExecutor(ABC):
     @abstractmethod
     def stop_workers(self) -> None: ...
 
+    # Workers receive each step's token ids from the host, so a step cannot take tokens the
+    # previous one left on rank 0's device: steps run one after another.
+    supports_overlap = False
+
+    def launch(self, work: Sequence[SequenceWork]) -> CompletedStep:
+        return CompletedStep(self.execute(work))
+
     def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
         def step() -> StepOutput:
             self.raise_if_failed()
@@ -238,8 +245,13 @@ class MultiprocessExecutor(TensorParallelExecutor):
 class LocalExecutor:
     """One rank: steps run on the engine's own runner."""
 
+    supports_overlap = True  # the runner can take the last step's samples on the device
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+
+    def launch(self, work: Sequence[SequenceWork]) -> LaunchedStep:
+        return self.runner.launch(work)
 
     def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
         return self.runner.execute(work)

@@ -1,7 +1,15 @@
 """LLMEngine: the request lifecycle around one planner and one runner.
 
-Each step: plan -> release preempted -> reserve pages -> execute -> append tokens,
-detokenize, check stops -> release finished requests' pages.
+Each step: plan -> release preempted -> reserve pages -> launch -> read the previous step's
+results (append tokens, detokenize, check stops, release finished requests' pages).
+
+With overlapped (async) scheduling the engine plans and launches step N+1 before it reads
+step N's samples, so the host's work hides behind the device's. A request whose token from
+step N is still on the device counts it as pending: the planner sees it, and step N+1 takes
+the token from the device. A request that step N finishes (a stop token) has had one more
+token computed in step N+1, which is dropped; its pages are freed while step N+1 may still
+write to them, which is safe because the device runs steps in order, so no later step's
+reader can see those writes before it overwrites them.
 """
 
 from __future__ import annotations
@@ -14,13 +22,21 @@ from dataclasses import dataclass
 
 from kestrel.config import EngineArgs
 from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChunk, StepPlan
-from kestrel.core.runner import SequenceResult, SequenceWork
+from kestrel.core.runner import PendingStep, SequenceResult, SequenceWork
 from kestrel.core.sampling import TokenLogprobs
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.engine.setup import EngineParts, build_engine_parts
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class _InFlightStep:
+    """A launched step whose results the engine has not read yet."""
+
+    requests: dict[str, Request]  # by id, as scheduled: an id may be reused once retired
+    pending: PendingStep
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,8 @@ class LLMEngine:
         self._prefix_matches: dict[str, list[int]] = {}  # this step's cache hits of waiting requests
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._overlap = args.async_scheduling and self.parts.executor.supports_overlap
+        self._in_flight: _InFlightStep | None = None
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -103,17 +121,35 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._in_flight)
 
     def step(self) -> list[RequestOutput]:
+        outputs = []
+        if self._in_flight is not None and self._needs_host_tokens():
+            outputs += self._read_in_flight()
         kv = self.parts.kv
         plan = self.parts.planner.plan(self._queue_state(), Capacity(kv.free_capacity(), kv.spec.page_size))
         self._apply(plan)
         work = [self._work_for(chunk) for chunk in plan.scheduled]
-        if not work:
+        requests = {chunk.request_id: self._requests[chunk.request_id] for chunk in plan.scheduled}
+        launched = self.parts.executor.launch(work) if work else None
+        outputs += self._read_in_flight()  # the previous step's results, while this one runs
+        if launched is not None:
+            self._in_flight = _InFlightStep(requests, launched)
+            if not self._overlap:
+                outputs += self._read_in_flight()
+        return outputs
+
+    def _needs_host_tokens(self) -> bool:
+        """Whether the next step's work depends on results still on the device: penalties
+        read every output token, and prompt logprobs continue from the last chunk's."""
+        return any(r.params.uses_penalties or r.wants_prompt_logprobs for r in self._running)
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
             return []
-        output = self.parts.executor.execute(work)
-        return self._absorb(plan.scheduled, output.results)
+        return self._absorb(in_flight.requests, in_flight.pending.result().results)
 
     def _queue_state(self) -> QueueState:
         # The planner admits at most one request per free seat, in queue order: requests
@@ -124,7 +160,14 @@ class LLMEngine:
         self._prefix_matches = {r.request_id: self._prefix_match(r) for r in candidates}
         return QueueState(
             waiting=tuple(self._waiting_view(r) for r in candidates),
-            running=tuple(self._view(r) for r in self._running),
+            running=tuple(self._view(r) for r in self._running if not self._ends_with_pending(r)),
+        )
+
+    @staticmethod
+    def _ends_with_pending(request: Request) -> bool:
+        """A token still on the device will be the request's last: nothing more to plan."""
+        return request.num_pending_tokens > 0 and request.num_output_tokens + request.num_pending_tokens >= (
+            request.max_tokens
         )
 
     def _prefix_match(self, request: Request) -> list[int]:
@@ -143,7 +186,7 @@ class LLMEngine:
 
     def _view(self, request: Request) -> RequestView:
         pages = len(self.parts.kv.allocator.pages_of(request.request_id))
-        return RequestView(request.request_id, request.num_tokens, request.num_computed_tokens, pages)
+        return RequestView(request.request_id, request.num_planned_tokens, request.num_computed_tokens, pages)
 
     def _apply(self, plan: StepPlan) -> None:
         for request_id in plan.preempted:  # newest first, so the oldest ends up at the front
@@ -181,6 +224,8 @@ class LLMEngine:
             self.parts.recurrent.release(request.request_id)
 
     def _work_for(self, chunk: ScheduledChunk) -> SequenceWork:
+        """Resolve a chunk into the runner's work, and count it as computed: its KV is written
+        by the time any later step reads it, because the device runs steps in order."""
         request = self._requests[chunk.request_id]
         start = request.num_computed_tokens
         end = start + chunk.num_new_tokens
@@ -188,19 +233,28 @@ class LLMEngine:
         recurrent = self.parts.recurrent
         slot = recurrent.reserve(request.request_id, end)[0] if recurrent is not None else None
         params = request.params
-        return SequenceWork(
+        follows = end > request.num_tokens  # its last token is the pending one, on the device
+        sample = end == request.num_planned_tokens and request.max_tokens > 0
+        work = SequenceWork(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids[start:end]),
+            token_ids=tuple(request.token_ids[start:end]) + ((0,) if follows else ()),
             num_cached_tokens=start,
             page_ids=tuple(pages),
-            sample=end == request.num_tokens and request.max_tokens > 0,
+            sample=sample,
             params=params,
             seed=request.seed,
             prompt_token_ids=request.prompt_token_ids if params.uses_penalties else (),
             output_token_ids=request.output_token_ids if params.uses_penalties else (),
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
             state_slot=slot,
+            follows_last_sample=follows,
         )
+        request.num_computed_tokens = end
+        request.num_pending_tokens += sample
+        if start < request.num_prompt_tokens <= end:
+            # The prompt's KV is queued: later requests with the same prefix can share it.
+            self.parts.kv.cache_prefix(request.request_id, request.token_ids[:end])
+        return work
 
     def _prompt_logprob_targets(self, request: Request, start: int, end: int) -> tuple[int, ...]:
         if not request.wants_prompt_logprobs or start != len(request.prompt_logprobs) - 1:
@@ -208,19 +262,14 @@ class LLMEngine:
         stop = min(end, request.num_prompt_tokens - 1)
         return tuple(request.token_ids[start + 1 : stop + 1])
 
-    def _absorb(
-        self, scheduled: tuple[ScheduledChunk, ...], results: tuple[SequenceResult, ...]
-    ) -> list[RequestOutput]:
-        for chunk in scheduled:
-            request = self._requests[chunk.request_id]
-            before = request.num_computed_tokens
-            request.num_computed_tokens += chunk.num_new_tokens
-            if before < request.num_prompt_tokens <= request.num_computed_tokens:
-                # The prompt is in the cache now: later requests with the same prefix can share it.
-                self.parts.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
+    def _absorb(self, requests: dict[str, Request], results: tuple[SequenceResult, ...]) -> list[RequestOutput]:
         outputs = []
         for result in results:
-            request = self._requests[result.request_id]
+            request = requests[result.request_id]
+            if result.sampled is not None:
+                request.num_pending_tokens -= 1
+            if request.status is RequestStatus.FINISHED:
+                continue  # finished (or aborted) while this step ran: its extra token is dropped
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(self._position_logprobs(lp) for lp in result.prompt_logprobs)
             if result.sampled is not None:

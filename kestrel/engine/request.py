@@ -26,7 +26,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None
     prompt: str | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt then generated tokens
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV is written, or queued to be by a launched step
+    num_pending_tokens: int = 0  # sampled by a launched step whose results are not read yet
     status: RequestStatus = RequestStatus.WAITING
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -55,6 +56,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens the planner counts: known ones plus those still being sampled."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,147 @@
+"""Overlapped (async) scheduling: step N+1 is launched before step N's samples are read,
+and the outputs are exactly those of running the steps one after another."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel import LLM, SamplingParams
+from tests.engine.test_engine import assert_pool_balanced, prompts
+
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=17, seed=7, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=2),
+    SamplingParams(temperature=1.0, max_tokens=9, seed=3, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5),  # needs every token
+    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1),
+]
+
+
+def generate(llm: LLM, batch: list[dict], params: list[SamplingParams]) -> tuple[list, list]:
+    """The completions, and the prompt logprobs, of one `generate` call."""
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    return [o.outputs[0] for o in outputs], [o.prompt_logprobs for o in outputs]
+
+
+def flatten(positions) -> list[tuple]:
+    """(token, rank, logprob) of every entry, in order; None for a position without any."""
+    return [None if p is None else [(t, lp.rank, lp.logprob) for t, lp in p.items()] for p in positions or []]
+
+
+def assert_same_outputs(got: list, expected: list) -> None:
+    """Tokens, text and finish reasons identical; logprobs equal up to float rounding (the
+    two runs batch requests into steps differently)."""
+    for (a, a_prompt), (b, b_prompt) in zip(zip(*got), zip(*expected), strict=True):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+            b.stop_reason,
+        )
+        for mine, theirs in [(flatten(a.logprobs), flatten(b.logprobs)), (flatten(a_prompt), flatten(b_prompt))]:
+            assert [None if p is None else [e[:2] for e in p] for p in mine] == [
+                None if p is None else [e[:2] for e in p] for p in theirs
+            ]
+            values = [e[2] for p in mine if p for e in p], [e[2] for p in theirs if p for e in p]
+            assert values[0] == pytest.approx(values[1], abs=1e-4)
+
+
+def stop_on_a_token_greedy_hits(llm: LLM, batch: list[dict]) -> list[SamplingParams]:
+    """Params per prompt that stop mid-generation: a stop token id greedy decoding reaches."""
+    free = llm.generate(batch, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    return [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[o.outputs[0].token_ids[4]]) for o in free]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_overlapped_steps_give_the_outputs_of_sequential_ones(checkpoint_dir, family):
+    path = str(checkpoint_dir(family))
+    batch = prompts(8, 24) + prompts(2, 70, seed=1)
+    sequential = LLM(path, page_size=8, max_num_batched_tokens=96, async_scheduling=False)
+    overlapped = LLM(path, page_size=8, max_num_batched_tokens=96)
+    assert overlapped.engine._overlap and not sequential.engine._overlap
+    params = MIXED + stop_on_a_token_greedy_hits(sequential, batch[6:8]) + MIXED[:2]
+    expected = generate(sequential, batch, params)
+    assert_same_outputs(generate(overlapped, batch, params), expected)
+    assert any(o.finish_reason == "stop" for o in expected[0])  # a stop token ended a request early
+    assert_pool_balanced(overlapped)
+
+
+def test_overlapped_steps_survive_preemption(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3"))
+    batch = prompts(8, 40)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = generate(LLM(path, page_size=8, max_num_batched_tokens=128, async_scheduling=False), batch, [greedy] * 8)
+    probe = LLM(path, page_size=8, max_num_batched_tokens=128)
+    tight = LLM(
+        path,
+        page_size=8,
+        max_num_batched_tokens=128,
+        max_model_len=128,
+        kv_cache_memory_gb=20 * probe.engine.parts.kv.spec.bytes_per_page() / 2**30,
+    )
+    preempted = []
+    original = tight.engine._apply
+
+    def apply(plan):
+        preempted.extend(plan.preempted)
+        original(plan)
+
+    tight.engine._apply = apply
+    assert_same_outputs(generate(tight, batch, [greedy] * 8), expected)
+    assert preempted  # the pool was tight enough for the planner to preempt
+    assert_pool_balanced(tight)
+
+
+class StepLog:
+    """Wraps an engine's executor to record when steps are launched and read."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.events: list[str] = []
+        executor = llm.engine.parts.executor
+        launch = executor.launch
+
+        def recording_launch(work):
+            index = sum(event.startswith("launch") for event in self.events)
+            self.events.append(f"launch {index}")
+            pending = launch(work)
+            result = pending.result
+
+            def recording_result():
+                self.events.append(f"read {index}")
+                return result()
+
+            pending.result = recording_result
+            return pending
+
+        executor.launch = recording_launch
+
+
+def test_the_next_step_is_launched_before_the_last_one_is_read(qwen3_llm):
+    log = StepLog(qwen3_llm)
+    qwen3_llm.generate(prompts(3, 10), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    launches = [e for e in log.events if e.startswith("launch")]
+    assert len(launches) >= 6
+    for index in range(len(launches) - 1):  # every step but the last is read after its successor launched
+        assert log.events.index(f"launch {index + 1}") < log.events.index(f"read {index}")
+    log.events.clear()
+    qwen3_llm.generate("Hi", SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2), use_tqdm=False)
+    pairs = list(zip(log.events[::2], log.events[1::2]))
+    assert pairs == [(f"launch {i}", f"read {i}") for i in range(len(pairs))]  # penalties: one at a time
+
+
+def test_abort_while_a_step_runs_and_reuse_of_the_id(qwen3_llm):
+    engine = qwen3_llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = qwen3_llm.generate([{"prompt_token_ids": list(range(5, 25))}], greedy, use_tqdm=False)
+    engine.add_request("twice", list(range(1, 30)), greedy)
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None  # aborted while its next token is being computed
+    assert engine.abort_request("twice").outputs[0].finish_reason == "abort"
+    engine.add_request("twice", list(range(5, 25)), greedy)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.outputs[0].token_ids for o in outputs if o.finished] == [expected[0].outputs[0].token_ids]
+    assert_pool_balanced(qwen3_llm)
