@@ -15,6 +15,7 @@ import torch.nn.functional as F
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _ONEDNN_MIN_ROWS = 16
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take layers/gemv.py
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,6 +28,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.shape[0] >= _ONEDNN_MIN_ROWS
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES:
+        from kestrel.layers import gemv
+
+        if gemv.prefers_gemv(x, weight):
+            return gemv.gemv(x, weight)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,95 @@
+"""A Triton matrix-vector product for one-row linears (decoding a single request).
+
+At one row a linear layer is a pure weight read, and cuBLAS leaves bandwidth behind on some
+shapes: on the H200 its one-row kernels read a 4096 x 4096 bf16 weight at 1.7 TB/s and a
+6144 x 4096 one at 3.0 TB/s, where the device copies at 4.2 TB/s. This kernel gives each
+program a few output rows and streams their weights in wide blocks.
+
+Whether it beats cuBLAS depends on the shape and the GPU, so it is not assumed: the first
+time a weight shape is seen outside graph capture, both are timed and the faster one is kept
+for that shape (`prefers_gemv`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.bfloat16, torch.float16)
+TIMING_REPEATS = 20
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n] = sum_k w[n, k] * x[k], float32 accumulation, for BLOCK_N rows per program."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        in_cols = cols < K
+        x = tl.load(x_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + rows[:, None] * stride_w + cols[None, :], mask=in_rows[:, None] & in_cols[None, :], other=0.0
+        )
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
+    for block_n, block_k, warps in [
+        (4, 1024, 4),
+        (8, 512, 4),
+        (8, 1024, 8),
+        (16, 256, 4),
+        (16, 512, 4),
+        (16, 512, 8),
+        (32, 256, 4),
+        (32, 256, 8),
+    ]
+]
+_tuned_gemv_kernel = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_gemv_kernel)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T -> [1, N]. Block sizes are autotuned unless given (tests)."""
+    n, k = weight.shape
+    if x.shape != (1, k) or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes x [1, {k}] and a row-major weight; got x {tuple(x.shape)}")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    if block_n is None or block_k is None:
+        _tuned_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, out, n, k, weight.stride(0))
+    else:
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k
+        )
+    return out
+
+
+_preference: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
+
+
+def prefers_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this one-row linear should run on `gemv` rather than cuBLAS (measured once per
+    weight shape; cuBLAS while a graph is being captured and no measurement exists)."""
+    key = (weight.shape[0], weight.shape[1], weight.dtype, weight.device)
+    choice = _preference.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        choice = _preference[key] = _seconds(lambda: gemv(x, weight)) < _seconds(lambda: x @ weight.T)
+    return choice
+
+
+def _seconds(run) -> float:
+    run()  # compiles and autotunes the first time
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(TIMING_REPEATS):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
