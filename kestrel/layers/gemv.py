@@ -80,11 +80,11 @@ def prefers_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        choice = _preference[key] = _seconds(lambda: gemv(x, weight)) < _seconds(lambda: x @ weight.T)
+        choice = _preference[key] = _milliseconds(lambda: gemv(x, weight)) < _milliseconds(lambda: x @ weight.T)
     return choice
 
 
-def _seconds(run) -> float:
+def _milliseconds(run) -> float:
     run()  # compiles and autotunes the first time
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
