@@ -72,14 +72,19 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         spec = self.layer_spec
         tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj.split(self.qkv_proj(hidden))
-        query = query.view(tokens, spec.num_heads, spec.head_dim)
-        key = key.view(tokens, spec.num_kv_heads, spec.head_dim)
+        qkv = self.qkv_proj(hidden)
+        query, key, value = self.qkv_proj.split(qkv)
         value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = rotary
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if self.q_norm is None:
+            # q and k sit side by side in each row of qkv: one rotary pass (one launch) for both.
+            heads = spec.num_heads + spec.num_kv_heads
+            query_and_key = apply_rotary(qkv[:, : heads * spec.head_dim].view(tokens, heads, spec.head_dim), cos, sin)
+            query, key = query_and_key.split([spec.num_heads, spec.num_kv_heads], dim=1)
+        else:
+            query = self.q_norm(query.view(tokens, spec.num_heads, spec.head_dim))
+            key = self.k_norm(key.view(tokens, spec.num_kv_heads, spec.head_dim))
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         attended = context.attend(self.layer_index, query, key, value, spec)
         return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))
 
