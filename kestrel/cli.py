@@ -23,7 +23,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="plan the next step while the device runs this one (single rank)",
+        help="plan the next step while the device runs this one",
     )
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

@@ -27,8 +27,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
     distributed_executor_backend: str = "mp"  # "mp" (processes on this host) | "ray"
     # Plan and launch step N+1 before reading step N's samples, so host work overlaps the
-    # device's. Single-rank engines only; steps that need every token on the host (penalties,
-    # prompt logprobs) still wait.
+    # device's. Steps that need every token on the host (penalties, prompt logprobs) still wait.
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:

@@ -44,6 +44,12 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (the tokens only rank 0 samples)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
     def min_across_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of the ranks' values (so that every rank sizes its pool alike)."""
         if self.size == 1:

@@ -16,6 +16,7 @@ from kestrel.core.batch import BatchInputs, BatchLayout, SequenceChunk, query_st
 from kestrel.core.cuda_graphs import DecodeGraphs
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
+from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.runtime import DeviceRuntime
 from kestrel.core.runtime.base import HostTransfer
 from kestrel.core.sampling import DeviceSamples, LogprobTensors, SampledToken, Sampler, SamplingRow, TokenLogprobs
@@ -73,16 +74,6 @@ class PendingStep(Protocol):
 
 
 @dataclass(frozen=True)
-class CompletedStep:
-    """A step that already finished (executors that run steps synchronously)."""
-
-    output: StepOutput
-
-    def result(self) -> StepOutput:
-        return self.output
-
-
-@dataclass(frozen=True)
 class _PromptLogprobs:
     request_id: str
     count: int
@@ -129,7 +120,7 @@ class _LastSamples:
     """The previous step's sampled tokens on the device, and which row is whose."""
 
     rows: dict[str, int]
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None  # None on a tensor-parallel worker until rank 0 shares them
 
 
 @dataclass(frozen=True)
@@ -151,8 +142,10 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         recurrent: RecurrentStateProvider | None = None,
         samples: bool = True,  # tensor-parallel workers compute logits but leave sampling to rank 0
+        parallel: TensorParallel = SINGLE,
     ) -> None:
         self.samples = samples
+        self.parallel = parallel
         self.model = model
         self.recurrent = recurrent
         self.graphs = graphs
@@ -229,12 +222,16 @@ class ModelRunner:
         layout = self._layout(ordered)
         token_ids, positions, logits_indices, rows = self._host_inputs(ordered)
         follows = self._follow_rows(ordered, token_ids)
+        if follows:
+            self._share_last_samples()
         if self._fits_graph(ordered):
             logits = self.graphs.run(layout, token_ids, positions, lambda ids: self._take_last_samples(ids, follows))
         else:
             logits = self._run_eager(layout, ordered, token_ids, positions, logits_indices, follows)
         self._last = None
         if not self.samples:
+            sampled_ids = [item.request_id for item, r in zip(ordered, rows) if r.sample_row is not None]
+            self._last = _LastSamples({request_id: row for row, request_id in enumerate(sampled_ids)}, None)
             return LaunchedStep(ordered, [], None, [], None)
         sampled_ids, samples = self._sample(ordered, rows, logits)
         if samples is not None:
@@ -256,6 +253,17 @@ class ModelRunner:
                     raise RuntimeError(f"request {item.request_id} follows a sample the last step did not draw")
                 follows.append((end - 1, self._last.rows[item.request_id]))
         return follows
+
+    def _share_last_samples(self) -> None:
+        """Every rank takes the tokens rank 0 sampled last step (only rank 0 samples); all ranks
+        get here in the same steps, because they all run the same work."""
+        if self.parallel.size == 1:
+            return
+        tokens = self._last.tokens
+        if tokens is None:
+            tokens = torch.empty(len(self._last.rows), dtype=torch.long, device=self.runtime.device)
+            self._last = _LastSamples(self._last.rows, tokens)
+        self.parallel.broadcast_from_first(tokens)
 
     def _take_last_samples(self, input_ids: torch.Tensor, follows: list[tuple[int, int]]) -> None:
         """Write the previous step's samples into this step's input ids, on the device."""

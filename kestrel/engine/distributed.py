@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from kestrel.config import EngineArgs
 from kestrel.core.parallel import TensorParallel
-from kestrel.core.runner import CompletedStep, LaunchedStep, ModelRunner, SequenceWork, StepOutput
+from kestrel.core.runner import LaunchedStep, ModelRunner, SequenceWork, StepOutput
 
 # A collective that waits longer than this on a silent peer fails instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -167,20 +167,20 @@ class TensorParallelExecutor(ABC):
     @abstractmethod
     def stop_workers(self) -> None: ...
 
-    # Workers receive each step's token ids from the host, so a step cannot take tokens the
-    # previous one left on rank 0's device: steps run one after another.
-    supports_overlap = False
+    # Tokens sampled by the previous step reach the workers by a broadcast from rank 0 on the
+    # device (ModelRunner._share_last_samples), so steps may overlap as on one rank.
+    supports_overlap = True
 
-    def launch(self, work: Sequence[SequenceWork]) -> CompletedStep:
-        return CompletedStep(self.execute(work))
-
-    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
-        def step() -> StepOutput:
+    def launch(self, work: Sequence[SequenceWork]) -> _GuardedStep:
+        def step() -> LaunchedStep:
             self.raise_if_failed()
             self.send(list(work))
-            return self.runner.execute(work)
+            return self.runner.launch(work)
 
-        return self.guarded(step)
+        return _GuardedStep(self.guarded(step), self)
+
+    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+        return self.launch(work).result()
 
     def guarded(self, action: Callable[[], Any]) -> Any:
         """Run `action`; if it fails because a worker is gone, say which and why."""
@@ -207,6 +207,17 @@ class TensorParallelExecutor(ABC):
         self.stop_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _GuardedStep:
+    """A launched step whose result, if a worker fails meanwhile, says which one and why."""
+
+    launched: LaunchedStep
+    executor: TensorParallelExecutor
+
+    def result(self) -> StepOutput:
+        return self.executor.guarded(self.launched.result)
 
 
 class MultiprocessExecutor(TensorParallelExecutor):

@@ -251,7 +251,7 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
             model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
         )
         graphs.capture()
-    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs, recurrent, sampling)
+    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs, recurrent, sampling, parallel)
     runner.warm_up(max_num_batched_tokens, args.max_num_seqs, max_model_len)
     return RankParts(runtime, spec, dtype, kv, recurrent, runner, max_model_len, max_num_batched_tokens, model_dir)
 

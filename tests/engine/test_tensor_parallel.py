@@ -29,6 +29,8 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(family, checkpoint_dir):
     single = LLM(path, **settings).generate(prompts(), GREEDY, use_tqdm=False)
     llm = LLM(path, tensor_parallel_size=2, **settings)
     try:
+        # Overlapped steps: the workers take the tokens rank 0 sampled by a broadcast.
+        assert llm.engine._overlap
         split = llm.generate(prompts(), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
         stats = llm.engine.stats()
