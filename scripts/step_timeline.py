@@ -13,7 +13,10 @@ Steps are grouped by kind (decode-only, or with prefill tokens) and summed.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1000)
     parser.add_argument("--out", default="timeline.json")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--profile", default=None, help="write the run's host profile (cProfile, by own time) here")
     args = parser.parse_args()
     llm = LLM(
         args.model or args.dummy_config,
@@ -92,6 +96,9 @@ def main() -> None:
         return plan
 
     planner.plan = recording_plan
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler is not None:
+        profiler.enable()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         plan_of_step.clear()
@@ -108,6 +115,11 @@ def main() -> None:
         totals["prefill_tokens"] += prefill_tokens
         totals["decode_rows"] += sum(1 for c in scheduled if c.num_new_tokens == 1)
     total = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        Path(args.profile).write_text(text.getvalue())
     report = {
         "args": vars(args),
         "total_seconds": total,
