@@ -6,8 +6,8 @@ shapes: on the H200 its one-row kernels read a 4096 x 4096 bf16 weight at 1.7 TB
 program a few output rows and streams their weights in wide blocks.
 
 Whether it beats cuBLAS depends on the shape and the GPU, so it is not assumed: the first
-time a weight shape is seen outside graph capture, both are timed and the faster one is kept
-for that shape (`prefers_gemv`).
+time a weight shape is seen outside graph capture, both are timed (replayed from a CUDA graph,
+as decode steps run them) and the faster one is kept for that shape (`prefers_gemv`).
 """
 
 from __future__ import annotations
@@ -85,11 +85,22 @@ def prefers_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _milliseconds(run) -> float:
-    run()  # compiles and autotunes the first time
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(TIMING_REPEATS):
-        run()
-    end.record()
+    """Device time of TIMING_REPEATS calls of `run`, replayed from a CUDA graph: decode steps
+    run these linears inside graphs, and timed eagerly a small kernel measures the host's
+    launch cost rather than its own."""
+    run()  # compiles and autotunes outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(TIMING_REPEATS):
+                run()
+        graph.replay()  # the first replay uploads the graph
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
     end.synchronize()
+    torch.cuda.current_stream().wait_stream(stream)
     return start.elapsed_time(end)

@@ -1,5 +1,11 @@
 """Overlapped (async) scheduling: step N+1 is launched before step N's samples are read,
-and the outputs are exactly those of running the steps one after another."""
+and the outputs are exactly those of running the steps one after another.
+
+The comparisons of whole runs pin the CPU: the two schedules batch requests into steps
+differently, and on a GPU the batch size picks other kernels (split counts, matmul tiles)
+whose rounding can flip a near-tied greedy choice of a tiny random model. The device path
+of overlapping (pinned transfers, tokens written into graph inputs) is covered by HF parity
+on CUDA, which runs overlapped by default."""
 
 from __future__ import annotations
 
@@ -55,8 +61,8 @@ def stop_on_a_token_greedy_hits(llm: LLM, batch: list[dict]) -> list[SamplingPar
 def test_overlapped_steps_give_the_outputs_of_sequential_ones(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     batch = prompts(8, 24) + prompts(2, 70, seed=1)
-    sequential = LLM(path, page_size=8, max_num_batched_tokens=96, async_scheduling=False)
-    overlapped = LLM(path, page_size=8, max_num_batched_tokens=96)
+    sequential = LLM(path, device="cpu", page_size=8, max_num_batched_tokens=96, async_scheduling=False)
+    overlapped = LLM(path, device="cpu", page_size=8, max_num_batched_tokens=96)
     assert overlapped.engine._overlap and not sequential.engine._overlap
     params = MIXED + stop_on_a_token_greedy_hits(sequential, batch[6:8]) + MIXED[:2]
     expected = generate(sequential, batch, params)
@@ -69,14 +75,15 @@ def test_overlapped_steps_survive_preemption(checkpoint_dir):
     path = str(checkpoint_dir("qwen3"))
     batch = prompts(8, 40)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = generate(LLM(path, page_size=8, max_num_batched_tokens=128, async_scheduling=False), batch, [greedy] * 8)
-    probe = LLM(path, page_size=8, max_num_batched_tokens=128)
+    sequential = LLM(path, device="cpu", page_size=8, max_num_batched_tokens=128, async_scheduling=False)
+    expected = generate(sequential, batch, [greedy] * 8)
     tight = LLM(
         path,
+        device="cpu",
         page_size=8,
         max_num_batched_tokens=128,
         max_model_len=128,
-        kv_cache_memory_gb=20 * probe.engine.parts.kv.spec.bytes_per_page() / 2**30,
+        kv_cache_memory_gb=20 * sequential.engine.parts.kv.spec.bytes_per_page() / 2**30,
     )
     preempted = []
     original = tight.engine._apply
