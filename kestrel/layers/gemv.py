@@ -6,8 +6,9 @@ shapes: on the H200 its one-row kernels read a 4096 x 4096 bf16 weight at 1.7 TB
 program a few output rows and streams their weights in wide blocks.
 
 Whether it beats cuBLAS depends on the shape and the GPU, so it is not assumed: the first
-time a weight shape is seen outside graph capture, both are timed (replayed from a CUDA graph,
-as decode steps run them) and the faster one is kept for that shape (`prefers_gemv`).
+time a weight shape is seen outside graph capture, both are timed on the device alone (queued
+behind a device-side sleep, so host launch costs do not count, as in the decode graphs) and
+the faster one is kept for that shape (`prefers_gemv`).
 """
 
 from __future__ import annotations
@@ -84,23 +85,21 @@ def prefers_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return choice
 
 
+# Cycles of a device-side sleep queued before the timed calls (about 5 ms on a 2 GHz GPU):
+# the host queues every call while the device sleeps, so they then run back to back.
+_QUEUE_AHEAD_CYCLES = 10_000_000
+
+
 def _milliseconds(run) -> float:
-    """Device time of TIMING_REPEATS calls of `run`, replayed from a CUDA graph: decode steps
-    run these linears inside graphs, and timed eagerly a small kernel measures the host's
-    launch cost rather than its own."""
-    run()  # compiles and autotunes outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(TIMING_REPEATS):
-                run()
-        graph.replay()  # the first replay uploads the graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
+    """Device time of TIMING_REPEATS back-to-back calls of `run`. Decode steps replay these
+    linears from CUDA graphs, without host launch costs; timed naively, a small kernel would
+    measure the host's launch cost rather than its own."""
+    run()  # compiles and autotunes first
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(_QUEUE_AHEAD_CYCLES)
+    start.record()
+    for _ in range(TIMING_REPEATS):
+        run()
+    end.record()
     end.synchronize()
-    torch.cuda.current_stream().wait_stream(stream)
     return start.elapsed_time(end)
