@@ -21,20 +21,32 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from kestrel import LLM, SamplingParams
 from kestrel.bench.throughput import random_prompts
 from kestrel.sampling_params import RequestOutputKind
 
 
 class BlockedClock:
-    """Wraps the executor so the time spent waiting in a step's `result()` is summed."""
+    """Wraps the executor so the time spent waiting in a step's `result()` is summed; with
+    `sync_debug`, CUDA warns (with the line) of any synchronisation while a step launches."""
 
-    def __init__(self, executor) -> None:
+    def __init__(self, executor, sync_debug: bool = False) -> None:
         self.blocked = 0.0
         launch = executor.launch
 
+        def checked_launch(work):
+            if not sync_debug:
+                return launch(work)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(work)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
         def timed_launch(work):
-            pending = launch(work)
+            pending = checked_launch(work)
             result = pending.result
 
             def timed_result():
@@ -62,6 +74,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1000)
     parser.add_argument("--out", default="timeline.json")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--sync-debug", action="store_true", help="CUDA: warn of syncs while steps launch")
     parser.add_argument("--profile", default=None, help="write the run's host profile (cProfile, by own time) here")
     args = parser.parse_args()
     llm = LLM(
@@ -85,7 +98,7 @@ def main() -> None:
     for index, prompt in enumerate(random_prompts(args.num_prompts, args.input_len, spec.vocab_size)):
         engine.add_request(str(index), prompt, params)
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    clock = BlockedClock(engine.parts.executor)
+    clock = BlockedClock(engine.parts.executor, args.sync_debug)
     planner = engine.parts.planner
     plan_of_step = []
     original_plan = planner.plan

@@ -103,14 +103,20 @@ TOP_P_CANDIDATES = 1024
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (-inf elsewhere).
 
-    The nucleus of a real model's distribution is small, so it is looked for among the top
-    TOP_P_CANDIDATES tokens first (a topk, not a sort of the whole vocabulary); only rows
-    whose candidates do not reach top_p sort the whole row.
+    On the CPU the nucleus is looked for among the top TOP_P_CANDIDATES tokens first (a real
+    model's nucleus is small, and a topk is far cheaper than sorting the vocabulary); rows
+    whose candidates do not reach top_p then sort. Whether they do is a host check of a
+    device result: free on the CPU, but on a GPU it would stall the host until every queued
+    step has run, so there the whole row is sorted, without a check.
     """
     all_probs = logits.softmax(dim=-1)
-    values, order = logits.topk(min(TOP_P_CANDIDATES, logits.shape[-1]), dim=-1)
-    probs = all_probs.gather(1, order)
-    if not bool((probs.sum(dim=-1) >= top_p).all()):
+    if logits.device.type == "cpu":
+        values, order = logits.topk(min(TOP_P_CANDIDATES, logits.shape[-1]), dim=-1)
+        probs = all_probs.gather(1, order)
+        if not bool((probs.sum(dim=-1) >= top_p).all()):
+            values, order = logits.sort(dim=-1, descending=True)
+            probs = all_probs.gather(1, order)
+    else:
         values, order = logits.sort(dim=-1, descending=True)
         probs = all_probs.gather(1, order)
     mass_before = probs.cumsum(dim=-1) - probs

@@ -10,6 +10,7 @@ on CUDA, which runs overlapped by default."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kestrel import LLM, SamplingParams
 from tests.engine.test_engine import assert_pool_balanced, prompts
@@ -150,3 +151,25 @@ def test_abort_while_a_step_runs_and_reuse_of_the_id(qwen3_llm):
         outputs += engine.step()
     assert [o.outputs[0].token_ids for o in outputs if o.finished] == [expected[0].outputs[0].token_ids]
     assert_pool_balanced(qwen3_llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation exists only on a GPU")
+def test_launching_a_step_never_waits_for_the_device(checkpoint_dir):
+    """Every host list goes to the device by a pinned, non-blocking copy, and nothing reads the
+    device back while a step is queued: otherwise the host would stall on the step before."""
+    llm = LLM(str(checkpoint_dir("qwen3")), device="cuda", page_size=8, max_num_batched_tokens=96)
+    batch = prompts(6, 30) + prompts(2, 120, seed=2)  # prefill chunks, mixed steps, graph decodes
+    params = [MIXED[0], MIXED[1], MIXED[3]] * 2 + [MIXED[0], MIXED[2]]
+    expected = generate(llm, batch, params)  # first: compiles kernels and measures the matvec
+    executor = llm.engine.parts.executor
+    launch = executor.launch
+
+    def launch_checked(work):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(work)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    executor.launch = launch_checked
+    assert_same_outputs(generate(llm, batch, params), expected)
