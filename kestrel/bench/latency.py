@@ -25,6 +25,17 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes * repeats / (time.perf_counter() - start)
 
 
+def decode_weight_bytes(parts) -> int:
+    """Bytes of weights a decode step reads: every parameter, but of an untied embedding only
+    the looked-up rows (negligible), so the table itself is not counted."""
+    element = torch.empty((), dtype=parts.dtype).element_size()
+    spec = parts.spec
+    weight_bytes = sum(p.numel() * p.element_size() for p in parts.runner.model.parameters())
+    if not spec.tie_word_embeddings:
+        weight_bytes -= spec.vocab_size * spec.hidden_size * element
+    return weight_bytes
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -93,9 +104,7 @@ def run_latency_benchmark(args: argparse.Namespace) -> int:
     prompt = random_prompts(1, args.input_len, spec.vocab_size)[0]
     kestrel_times = time_kestrel(llm, prompt, args.output_len)
     element = torch.empty((), dtype=parts.dtype).element_size()
-    weight_bytes = sum(p.numel() * p.element_size() for p in parts.runner.model.parameters())
-    if not spec.tie_word_embeddings:
-        weight_bytes -= spec.vocab_size * spec.hidden_size * element  # a lookup reads one row per token
+    weight_bytes = decode_weight_bytes(parts)
     mean_context = args.input_len + args.output_len / 2
     kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * mean_context
     bandwidth = copy_bandwidth(device)

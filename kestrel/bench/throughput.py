@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kestrel.bench.latency import copy_bandwidth, decode_weight_bytes
 from kestrel.core.recipe import ModelSpec
 
 
@@ -102,6 +103,27 @@ def compute_limit_tokens_per_s(spec: ModelSpec, prompts: int, input_len: int, ou
     return prompts * output_len / (total_flops / rate)
 
 
+def memory_limit_tokens_per_s(
+    prompts: int,
+    input_len: int,
+    output_len: int,
+    batch: int,
+    weight_bytes: int,
+    kv_bytes_per_token: int,
+    bandwidth: float,
+) -> float:
+    """Output tokens/s if the bytes decoding must read moved at `bandwidth`: the weights once
+    per decode step (up to `batch` requests share one) and every decoded token's KV context.
+
+    Attention kernels read KV while matmuls compute, one after the other in each layer, so a
+    long-context run is bound by both limits in sequence rather than by the larger alone.
+    """
+    tokens = prompts * output_len
+    steps = tokens / min(prompts, batch)
+    kv_bytes = tokens * (input_len + output_len / 2) * kv_bytes_per_token
+    return tokens / ((steps * weight_bytes + kv_bytes) / bandwidth)
+
+
 def build_hf_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
@@ -131,6 +153,17 @@ def run_throughput_benchmark(args: argparse.Namespace) -> int:
         results += [time_hf(hf, prompts[:1], args.output_len), time_hf(hf, prompts, args.output_len)]
     rate = matmul_flops_per_s(args.num_prompts, spec, dtype, device)
     limit = compute_limit_tokens_per_s(spec, args.num_prompts, args.input_len, args.output_len, rate)
+    bandwidth = copy_bandwidth(device, 1 << 28)
+    kv_spec = llm.engine.parts.kv.spec
+    memory_limit = memory_limit_tokens_per_s(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.max_num_seqs,
+        decode_weight_bytes(llm.engine.parts),
+        kv_spec.bytes_per_page() // kv_spec.page_size,
+        bandwidth,
+    )
     print(f"model {spec.architecture}, {spec.num_parameters() / 1e6:.1f}M parameters, {dtype}, {device}")
     print(f"workload: input {args.input_len}, output {args.output_len} tokens per request")
     print(f"{'engine':<18}{'concurrency':>12}{'requests/s':>12}{'output tok/s':>14}")
@@ -140,11 +173,17 @@ def run_throughput_benchmark(args: argparse.Namespace) -> int:
         f"matmul rate at {args.num_prompts} rows: {rate / 1e9:.1f} GFLOP/s; "
         f"compute limit at concurrency {args.num_prompts}: {limit:.1f} output tok/s"
     )
+    print(
+        f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s; memory limit (weights per step of {args.max_num_seqs}, "
+        f"KV per token): {memory_limit:.1f} output tok/s"
+    )
     if args.output_json:
         report = {
             "results": [asdict(m) | {"output_tokens_per_s": m.output_tokens_per_s} for m in results],
             "matmul_flops_per_s": rate,
             "compute_limit_output_tokens_per_s": limit,
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "memory_limit_output_tokens_per_s": memory_limit,
             "args": vars(args),
         }
         with open(args.output_json, "w") as handle:
