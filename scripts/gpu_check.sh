@@ -1,17 +1,46 @@
 #!/usr/bin/env bash
-# Everything to check on a GPU machine, in one call: the CUDA tests (compiled Triton kernels,
-# HF parity on CUDA), then the latency and throughput benchmarks on a Llama-3-8B shape.
-# Results go to $OUT (or ./out).
+# Everything to check on a GPU machine, in phases that each fit one 10-minute call:
+#   bash scripts/gpu_check.sh tests       # the CUDA tests (compiled kernels, HF parity, no syncs in launch)
+#   bash scripts/gpu_check.sh latency     # matvec vs cuBLAS, batch-1 latency, decode profile
+#   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
+#   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
+# Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 PYTHONPATH=. TOKENIZERS_PARALLELISM=false
+B="--dummy-config llama-3-8b --dtype bfloat16 --device cuda --max-model-len 4096"
+throughput() {  # input_len output_len
+    python3 -m kestrel bench throughput $B --num-prompts 1000 --input-len "$1" --output-len "$2" \
+        --no-hf-baseline --output-json "$out/throughput_$1_$2.json" 2>&1 | tee "$out/throughput_$1_$2.log" | tail -n 6
+}
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
-python3 -m pytest -q -p no:cacheprovider tests/core tests/test_hf_parity.py 2>&1 | tee "$out/tests.log" | tail -n 30
-python3 -m kestrel bench latency --dummy-config llama-3-8b --dtype bfloat16 --device cuda \
-    --input-len 128 --output-len 256 --max-model-len 4096 --kv-cache-memory-gb 16 \
-    --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log" | tail -n 40
-python3 -m kestrel bench throughput --dummy-config llama-3-8b --dtype bfloat16 --device cuda \
-    --num-prompts "${THROUGHPUT_PROMPTS:-256}" --input-len 128 --output-len 128 --max-model-len 4096 \
-    --kv-cache-memory-gb 40 --no-hf-baseline --output-json "$out/throughput.json" 2>&1 | tee "$out/throughput.log" | tail -n 20
+for phase in "${@:-tests}"; do
+    case "$phase" in
+    tests)
+        python3 -m pytest -q -p no:cacheprovider tests/core tests/layers tests/test_hf_parity.py \
+            tests/engine/test_async_scheduling.py 2>&1 | tee "$out/tests.log" | tail -n 30
+        ;;
+    latency)
+        python3 scripts/gemv_bench.py 2>&1 | tee "$out/gemv.log"
+        python3 -m kestrel bench latency $B --input-len 128 --output-len 256 \
+            --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log" | tail -n 25
+        python3 scripts/profile_decode.py --out "$out/profile" 2>&1 | tail -n 20
+        ;;
+    throughput)
+        throughput 128 128
+        throughput 1000 1000
+        python3 scripts/step_timeline.py --dummy-config llama-3-8b --dtype bfloat16 --device cuda \
+            --num-prompts 256 --input-len 1000 --output-len 200 --sync-debug \
+            --out "$out/timeline.json" 2>&1 | tail -n 20
+        ;;
+    long)
+        throughput 2048 2048
+        ;;
+    *)
+        echo "unknown phase $phase (tests, latency, throughput, long)" >&2
+        exit 2
+        ;;
+    esac
+done
