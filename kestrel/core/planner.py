@@ -127,7 +127,10 @@ class _StepBuilder:
                 return
             num_new = min(request.num_tokens - request.num_computed_tokens, self.token_budget)
             new_pages = self._new_pages(request, num_new)
-            if new_pages > self.free_pages:
+            # Leave a page of headroom per running request: without it a request preempted
+            # for room is readmitted into the pages it just gave back, and preempted again as
+            # soon as the others grow, recomputing its prompt each time.
+            if new_pages + self.num_running > self.free_pages:
                 return  # strict FCFS: nobody overtakes the head of the queue
             self._take(request, num_new, new_pages)
             self.admitted.append(request.request_id)

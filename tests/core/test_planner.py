@@ -72,3 +72,11 @@ def test_budget_exhausted_leaves_later_running_requests_for_next_step():
     result = plan(running=running, budget=16)
     assert [(c.request_id, c.num_new_tokens) for c in result.scheduled] == [("a", 16)]
     assert result.preempted == ()
+
+
+def test_admission_leaves_a_page_of_headroom_per_running_request():
+    # Two decodes hold room for now; "v" (a preempted request, 2 pages) would fit in 3 free
+    # pages, but then the running two could not grow without preempting it again.
+    running = [view("x", 6, 5, 2), view("y", 6, 5, 2)]
+    assert plan(running=running, waiting=[view("v", 8)], free_pages=3).admitted == ()
+    assert plan(running=running, waiting=[view("v", 8)], free_pages=4).admitted == ("v",)
