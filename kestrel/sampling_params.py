@@ -15,6 +15,7 @@ class RequestOutputKind(enum.Enum):
     """Which outputs a request reports while it runs (vLLM's names)."""
 
     CUMULATIVE = "cumulative"  # after every new token, everything so far
+    DELTA = "delta"  # after every new token, only what is new (streaming without per-step copies)
     FINAL_ONLY = "final_only"  # once, when it finishes: no per-step copies of a long output
 
 

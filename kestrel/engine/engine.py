@@ -278,7 +278,7 @@ class LLMEngine:
                 request.finish("length")
             if request.status is RequestStatus.FINISHED:
                 outputs.append(self._retire(request))
-            elif result.sampled is not None and request.params.output_kind is RequestOutputKind.CUMULATIVE:
+            elif result.sampled is not None and request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(request))
         return outputs
 
@@ -334,6 +334,8 @@ class LLMEngine:
         return self._output(request)
 
     def _output(self, request: Request) -> RequestOutput:
+        if request.params.output_kind is RequestOutputKind.DELTA:
+            return self._delta_output(request)
         completion = CompletionOutput(
             index=0,
             text=request.text,
@@ -350,6 +352,42 @@ class LLMEngine:
             prompt_logprobs=request.prompt_logprobs,
             outputs=[completion],
             finished=request.status is RequestStatus.FINISHED,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
+        )
+
+    def _delta_output(self, request: Request) -> RequestOutput:
+        """What is new since the request's last output. Until it finishes, text that could
+        be the start of a stop string stays back: a stop string can cut the text there, and
+        text already reported cannot be taken back."""
+        finished = request.status is RequestStatus.FINISHED
+        text_end = len(request.text)
+        if not finished and request.params.stop:
+            held = max(len(stop) for stop in request.params.stop) - 1
+            text_end = max(request.num_sent_chars, text_end - held)
+        first_token = request.num_prompt_tokens + request.num_sent_tokens
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = request.logprobs[request.num_sent_logprobs :]
+        completion = CompletionOutput(
+            index=0,
+            text=request.text[request.num_sent_chars : text_end],
+            token_ids=request.token_ids[first_token:],
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        first = request.num_sent_tokens == 0
+        request.num_sent_tokens = request.num_output_tokens
+        request.num_sent_chars = text_end
+        request.num_sent_logprobs += len(logprobs or ())
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_list,
+            prompt_logprobs=request.prompt_logprobs if first else None,
+            outputs=[completion],
+            finished=finished,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
         )
 

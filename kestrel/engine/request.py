@@ -40,6 +40,10 @@ class Request:
     # The prompt as the list every output of this request shares: a streamed request with a
     # long prompt would otherwise copy it on every step.
     prompt_token_list: list[int] = field(default_factory=list)
+    # DELTA outputs: how much of the output has been reported already.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    num_sent_logprobs: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from kestrel.config import EngineArgs
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.outputs import RequestOutput
+from kestrel.sampling_params import RequestOutputKind
 from kestrel.server.messages import (
     AbortRequest,
     AddRequest,
@@ -30,54 +31,34 @@ logger = logging.getLogger("kestrel.core")
 
 
 @dataclass
-class _Sent:
-    """How much of a request's output the front end already has."""
-
-    num_tokens: int = 0
-    num_chars: int = 0
-    num_logprobs: int = 0
-    started: bool = False
-
-
-@dataclass
 class DeltaTracker:
-    """Turns the engine's cumulative outputs into deltas."""
+    """Turns the engine's DELTA outputs (what is new since the last one; text that could
+    start a stop string held back by the engine) into the front end's deltas."""
 
-    stops: dict[str, int] = field(default_factory=dict)  # request id -> longest stop string
-    sent: dict[str, _Sent] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
 
     def track(self, request: AddRequest) -> None:
-        self.stops[request.request_id] = max((len(s) for s in request.params.stop), default=0)
-        self.sent[request.request_id] = _Sent()
+        self.started.discard(request.request_id)
 
     def delta(self, output: RequestOutput) -> RequestDelta:
         completion = output.outputs[0]
-        sent = self.sent[output.request_id]
-        text = completion.text
-        if not output.finished:
-            # Hold back what could be the start of a stop string split across tokens.
-            text = text[: max(sent.num_chars, len(text) - max(self.stops[output.request_id] - 1, 0))]
-        logprobs = completion.logprobs[sent.num_logprobs :] if completion.logprobs is not None else None
-        first = not sent.started
-        delta = RequestDelta(
+        first = output.request_id not in self.started
+        self.started.add(output.request_id)
+        if output.finished:
+            self.forget(output.request_id)
+        return RequestDelta(
             request_id=output.request_id,
-            new_token_ids=completion.token_ids[sent.num_tokens :],
-            new_text=text[sent.num_chars :],
-            new_logprobs=logprobs,
+            new_token_ids=completion.token_ids,
+            new_text=completion.text,
+            new_logprobs=completion.logprobs,
             prompt_logprobs=output.prompt_logprobs if first else None,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             queue_seconds=_queue_seconds(output) if first else None,
         )
-        sent.num_tokens, sent.num_chars, sent.started = len(completion.token_ids), len(text), True
-        sent.num_logprobs += len(logprobs or ())
-        if output.finished:
-            self.forget(output.request_id)
-        return delta
 
     def forget(self, request_id: str) -> None:
-        self.stops.pop(request_id, None)
-        self.sent.pop(request_id, None)
+        self.started.discard(request_id)
 
 
 def _queue_seconds(output: RequestOutput) -> float | None:
@@ -137,7 +118,8 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
 def _handle(engine: LLMEngine, tracker: DeltaTracker, message: object) -> list[RequestFailed | RequestDelta]:
     if isinstance(message, AddRequest):
         try:
-            engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+            params = message.params.replace(output_kind=RequestOutputKind.DELTA)
+            engine.add_request(message.request_id, message.prompt_token_ids, params)
         except ValueError as error:
             return [RequestFailed(message.request_id, str(error))]
         tracker.track(message)

@@ -238,6 +238,35 @@ def test_final_only_requests_report_once_cumulative_ones_every_token(qwen3_llm):
     assert reported["final"][0].outputs[0].token_ids == reported["cumulative"][-1].outputs[0].token_ids
 
 
+def run_reported(engine, params_by_id: dict[str, SamplingParams], prompt: list[int]) -> dict[str, list]:
+    for request_id, params in params_by_id.items():
+        engine.add_request(request_id, prompt, params)
+    reported: dict[str, list[RequestOutput]] = {request_id: [] for request_id in params_by_id}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reported[output.request_id].append(output)
+    return reported
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(qwen3_llm):
+    free = qwen3_llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = free.text[6:9]  # a stop string that greedy decoding is known to produce
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1, stop=[stop])
+    prompt = qwen3_llm.get_tokenizer().encode("Hello")
+    reported = run_reported(
+        qwen3_llm.engine,
+        {"cumulative": base, "delta": base.replace(output_kind=RequestOutputKind.DELTA)},
+        prompt,
+    )
+    whole, deltas = reported["cumulative"][-1].outputs[0], [o.outputs[0] for o in reported["delta"]]
+    assert len(deltas) == len(reported["cumulative"]) > 1 and reported["delta"][-1].finished
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert "".join(d.text for d in deltas) == whole.text == free.text[: free.text.index(stop)]
+    assert [p for d in deltas for p in d.logprobs] == whole.logprobs
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop)
+    assert all(len(d.token_ids) == 1 for d in deltas)  # one new token per output, never the whole list
+
+
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_hybrid_request_aborted_mid_prefill_frees_its_state_slot(checkpoint_dir, family):
     llm = LLM(str(checkpoint_dir(family)), max_num_batched_tokens=16, max_num_seqs=2)
