@@ -104,8 +104,9 @@ class LaunchedStep:
             sampled = dict(zip(self._sampled_ids, self._samples.package(host[:count])))
             host = host[count:]
         prompt = {}
-        for index, entry in enumerate(self._prompt):
-            parts = host[5 * index : 5 * index + 5]
+        for entry in self._prompt:
+            count = len(entry.details.tensors())
+            parts, host = host[:count], host[count:]
             prompt[entry.request_id] = tuple(LogprobTensors.package(parts, [entry.count] * len(parts[0])))
         return StepOutput(
             tuple(
