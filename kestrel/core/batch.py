@@ -71,10 +71,7 @@ def page_table(chunks: Sequence[SequenceChunk], fill: int = 0, num_rows: int | N
 def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host integers onto `device`; through pinned memory on CUDA, so the copy does not
     wait for the host."""
-    host = torch.from_numpy(values)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return _onto(torch.from_numpy(values), device)
 
 
 @dataclass(frozen=True)
@@ -90,7 +87,10 @@ def values_to_device(values: Sequence[int | float | bool], dtype: torch.dtype, d
     """A short host list onto `device` without waiting for the device: `torch.tensor(...,
     device=cuda)` copies from pageable memory, which waits for all queued GPU work and would
     stall a step launched while the previous one still runs."""
-    host = torch.tensor(values, dtype=dtype)
+    return _onto(torch.tensor(values, dtype=dtype), device)
+
+
+def _onto(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -188,12 +188,6 @@ class LogprobTensors:
         ]
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """Per row: the chosen token's logprob and rank, and the row's top `num_top[i]` entries."""
-    details = LogprobTensors.of(logprobs, chosen, max(num_top))
-    return LogprobTensors.package([t.cpu() for t in details.tensors()], num_top)
-
-
 @dataclass(frozen=True)
 class DeviceSamples:
     """One step's draws, still on the device: a token per row, and logprob details for the

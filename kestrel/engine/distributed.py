@@ -167,20 +167,17 @@ class TensorParallelExecutor(ABC):
     @abstractmethod
     def stop_workers(self) -> None: ...
 
-    # Tokens sampled by the previous step reach the workers by a broadcast from rank 0 on the
-    # device (ModelRunner._share_last_samples), so steps may overlap as on one rank.
-    supports_overlap = True
-
     def launch(self, work: Sequence[SequenceWork]) -> _GuardedStep:
+        """Send the step to the workers and launch it here. Steps may overlap as on one rank:
+        tokens rank 0 sampled reach the workers by a device broadcast
+        (`ModelRunner._share_last_samples`)."""
+
         def step() -> LaunchedStep:
             self.raise_if_failed()
             self.send(list(work))
             return self.runner.launch(work)
 
         return _GuardedStep(self.guarded(step), self)
-
-    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
-        return self.launch(work).result()
 
     def guarded(self, action: Callable[[], Any]) -> Any:
         """Run `action`; if it fails because a worker is gone, say which and why."""
@@ -256,16 +253,11 @@ class MultiprocessExecutor(TensorParallelExecutor):
 class LocalExecutor:
     """One rank: steps run on the engine's own runner."""
 
-    supports_overlap = True  # the runner can take the last step's samples on the device
-
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
     def launch(self, work: Sequence[SequenceWork]) -> LaunchedStep:
         return self.runner.launch(work)
-
-    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
-        return self.runner.execute(work)
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)

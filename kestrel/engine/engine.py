@@ -65,7 +65,7 @@ class LLMEngine:
         self._prefix_matches: dict[str, list[int]] = {}  # this step's cache hits of waiting requests
         self._prefix_queries = 0
         self._prefix_hits = 0
-        self._overlap = args.async_scheduling and self.parts.executor.supports_overlap
+        self._overlap = args.async_scheduling
         self._in_flight: _InFlightStep | None = None
 
     # ---- admission -------------------------------------------------------------------------
