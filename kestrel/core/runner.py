@@ -222,28 +222,27 @@ class ModelRunner:
         ordered = sorted(work, key=lambda item: not item.is_decode)  # stable: decodes first
         layout = self._layout(ordered)
         token_ids, positions, logits_indices, rows = self._host_inputs(ordered)
-        follows = self._follow_rows(ordered, token_ids)
+        follows = self._follow_rows(ordered)
         if follows:
             self._share_last_samples()
         if self._fits_graph(ordered):
             logits = self.graphs.run(layout, token_ids, positions, lambda ids: self._take_last_samples(ids, follows))
         else:
             logits = self._run_eager(layout, ordered, token_ids, positions, logits_indices, follows)
-        self._last = None
         if not self.samples:
-            sampled_ids = [item.request_id for item, r in zip(ordered, rows) if r.sample_row is not None]
-            self._last = _LastSamples({request_id: row for row, request_id in enumerate(sampled_ids)}, None)
+            self._remember_samples(
+                [item.request_id for item, r in zip(ordered, rows) if r.sample_row is not None], None
+            )
             return LaunchedStep(ordered, [], None, [], None)
         sampled_ids, samples = self._sample(ordered, rows, logits)
-        if samples is not None:
-            self._last = _LastSamples({request_id: row for row, request_id in enumerate(sampled_ids)}, samples.tokens)
+        self._remember_samples(sampled_ids, samples.tokens if samples is not None else None)
         prompt = self._prompt_logprobs(ordered, rows, logits)
         tensors = (samples.tensors() if samples is not None else []) + [
             t for entry in prompt for t in entry.details.tensors()
         ]
         return LaunchedStep(ordered, sampled_ids, samples, prompt, self.runtime.to_host_async(tensors))
 
-    def _follow_rows(self, ordered: list[SequenceWork], token_ids: list[int]) -> list[tuple[int, int]]:
+    def _follow_rows(self, ordered: list[SequenceWork]) -> list[tuple[int, int]]:
         """(input position, row of the last samples) for each chunk whose last token is still
         on the device."""
         follows, end = [], 0
@@ -254,6 +253,11 @@ class ModelRunner:
                     raise RuntimeError(f"request {item.request_id} follows a sample the last step did not draw")
                 follows.append((end - 1, self._last.rows[item.request_id]))
         return follows
+
+    def _remember_samples(self, sampled_ids: list[str], tokens: torch.Tensor | None) -> None:
+        """Keep this step's samples (on a worker, only whose rows they are) for the next step."""
+        rows = {request_id: row for row, request_id in enumerate(sampled_ids)}
+        self._last = _LastSamples(rows, tokens) if rows else None
 
     def _share_last_samples(self) -> None:
         """Every rank takes the tokens rank 0 sampled last step (only rank 0 samples); all ranks

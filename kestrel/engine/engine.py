@@ -336,12 +336,24 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput:
         if request.params.output_kind is RequestOutputKind.DELTA:
             return self._delta_output(request)
+        return self._request_output(
+            request, request.text, list(request.output_token_ids), request.logprobs, request.prompt_logprobs
+        )
+
+    @staticmethod
+    def _request_output(
+        request: Request,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[PositionLogprobs] | None,
+        prompt_logprobs: list[PositionLogprobs | None] | None,
+    ) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
-            text=request.text,
-            token_ids=list(request.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             cumulative_logprob=request.cumulative_logprob,
-            logprobs=request.logprobs,
+            logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
@@ -349,7 +361,7 @@ class LLMEngine:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_list,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=[completion],
             finished=request.status is RequestStatus.FINISHED,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
@@ -368,28 +380,18 @@ class LLMEngine:
         logprobs = None
         if request.logprobs is not None:
             logprobs = request.logprobs[request.num_sent_logprobs :]
-        completion = CompletionOutput(
-            index=0,
-            text=request.text[request.num_sent_chars : text_end],
-            token_ids=request.token_ids[first_token:],
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
         first = request.num_sent_tokens == 0
+        output = self._request_output(
+            request,
+            request.text[request.num_sent_chars : text_end],
+            request.token_ids[first_token:],
+            logprobs,
+            request.prompt_logprobs if first else None,
+        )
         request.num_sent_tokens = request.num_output_tokens
         request.num_sent_chars = text_end
         request.num_sent_logprobs += len(logprobs or ())
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_list,
-            prompt_logprobs=request.prompt_logprobs if first else None,
-            outputs=[completion],
-            finished=finished,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
-        )
+        return output
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any; the engine cannot run steps afterwards."""

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-DTYPES = (torch.bfloat16, torch.float16)
 TIMING_REPEATS = 20
 
 
