@@ -1,12 +1,17 @@
 """One-row linears on the GPU: cuBLAS against the Triton matvec (layers/gemv.py), per
-Llama-3-8B weight shape, as bytes read per second; and which one `ops.linear` keeps.
+Llama-3-8B weight shape, as bytes read per second; which one `ops.linear` keeps; and, with
+--sweep, the matvec's best launch configurations from a wide grid.
 
-    python scripts/gemv_bench.py
+    python scripts/gemv_bench.py [--sweep]
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
+
 import torch
+import triton
 
 from kestrel.layers import gemv
 
@@ -19,17 +24,39 @@ SHAPES = {  # name: (out_features, in_features), Llama-3-8B
 }
 
 
+def sweep_configs() -> list[triton.Config]:
+    configs = []
+    for block_n, block_k, warps, stages in itertools.product([1, 2, 4, 8, 16], [512, 1024, 2048, 4096], [4, 8], [1, 3]):
+        if 2048 <= block_n * block_k <= 16384:
+            configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages))
+    return configs
+
+
+def tera_bytes_per_s(x: torch.Tensor, weights: list[torch.Tensor], matvec) -> float:
+    weight = weights[0]
+    milliseconds = gemv._milliseconds(x, weights, matvec) / gemv.TIMING_REPEATS
+    return weight.numel() * weight.element_size() / milliseconds / 1e9
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true", help="also time every configuration of a wide grid")
+    args = parser.parse_args()
+    configs = sweep_configs() if args.sweep else []
     print(f"{'layer':<14}{'cuBLAS TB/s':>12}{'Triton TB/s':>12}  kept")
     for name, (n, k) in SHAPES.items():
-        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        weights = gemv._weights_beyond_cache(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        bytes_read = weight.numel() * weight.element_size()
-        weights = gemv._weights_beyond_cache(weight)
-        ms_cublas = gemv._milliseconds(x, weights, gemv._cublas) / gemv.TIMING_REPEATS
-        ms_triton = gemv._milliseconds(x, weights, gemv.gemv) / gemv.TIMING_REPEATS
-        kept = "triton" if gemv.prefers_gemv(x, weight) else "cublas"
-        print(f"{name:<14}{bytes_read / ms_cublas / 1e9:>12.2f}{bytes_read / ms_triton / 1e9:>12.2f}  {kept}")
+        cublas = tera_bytes_per_s(x, weights, gemv._cublas)
+        triton_tuned = tera_bytes_per_s(x, weights, gemv.gemv)
+        kept = "triton" if gemv.prefers_gemv(x, weights[0]) else "cublas"
+        print(f"{name:<14}{cublas:>12.2f}{triton_tuned:>12.2f}  {kept}")
+        ranked = sorted(
+            ((tera_bytes_per_s(x, weights, lambda x, w, c=c: gemv.gemv(x, w, c)), c) for c in configs),
+            key=lambda pair: -pair[0],
+        )
+        for rate, config in ranked[:5]:
+            print(f"    {rate:.2f} TB/s  {config.kwargs} warps={config.num_warps} stages={config.num_stages}")
 
 
 if __name__ == "__main__":

@@ -53,18 +53,27 @@ _CONFIGS = [
 _tuned_gemv_kernel = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_gemv_kernel)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T -> [1, N]. Block sizes are autotuned unless given (tests)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: triton.Config | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T -> [1, N]. The launch configuration is autotuned per shape
+    unless given (tests, sweeps)."""
     n, k = weight.shape
     if x.shape != (1, k) or weight.stride(1) != 1:
         raise ValueError(f"gemv takes x [1, {k}] and a row-major weight; got x {tuple(x.shape)}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    if block_n is None or block_k is None:
+    if config is None:
         _tuned_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, out, n, k, weight.stride(0))
     else:
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k
+        _gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+            x,
+            weight,
+            out,
+            n,
+            k,
+            weight.stride(0),
+            **config.kwargs,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
     return out
 
