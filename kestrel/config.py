@@ -5,12 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 1 << 30
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names
 
 
 @dataclass(frozen=True)
 class EngineArgs:
     model: str
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": keys and values stored as float8 e4m3,
+    # which halves the bytes decode reads (and doubles the tokens the pool holds).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -32,6 +36,10 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         checks = [
+            (
+                self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+            ),
             (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
             (self.page_size >= 1, f"page_size must be at least 1, got {self.page_size}"),
             (

@@ -3,6 +3,7 @@
 #   bash scripts/gpu_check.sh tests       # the CUDA tests (compiled kernels, HF parity, no syncs in launch)
 #   bash scripts/gpu_check.sh latency     # matvec vs cuBLAS, batch-1 latency, decode profile
 #   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
+#   bash scripts/gpu_check.sh fp8         # 1000 x 1000/1000 with a float8 KV pool
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
 set -uo pipefail
@@ -11,9 +12,11 @@ out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=. TOKENIZERS_PARALLELISM=false
 B="--dummy-config llama-3-8b --dtype bfloat16 --device cuda --max-model-len 4096"
-throughput() {  # input_len output_len
+throughput() {  # input_len output_len [kv cache dtype]
+    local kv=${3:-auto}
     python3 -m kestrel bench throughput $B --num-prompts 1000 --input-len "$1" --output-len "$2" \
-        --no-hf-baseline --output-json "$out/throughput_$1_$2.json" 2>&1 | tee "$out/throughput_$1_$2.log" | tail -n 6
+        --kv-cache-dtype "$kv" --no-hf-baseline --output-json "$out/throughput_$1_$2_$kv.json" 2>&1 |
+        tee "$out/throughput_$1_$2_$kv.log" | tail -n 6
 }
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 for phase in "${@:-tests}"; do
@@ -35,11 +38,14 @@ for phase in "${@:-tests}"; do
             --num-prompts 256 --input-len 1000 --output-len 200 --sync-debug \
             --out "$out/timeline.json" 2>&1 | tail -n 20
         ;;
+    fp8)
+        throughput 1000 1000 fp8
+        ;;
     long)
         throughput 2048 2048
         ;;
     *)
-        echo "unknown phase $phase (tests, latency, throughput, long)" >&2
+        echo "unknown phase $phase (tests, latency, throughput, fp8, long)" >&2
         exit 2
         ;;
     esac

@@ -96,6 +96,12 @@ def resolve_dtype(name: str, hf_config: Any, runtime: DeviceRuntime) -> torch.dt
     return DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV pool stores: the model's, or float8 e4m3 for "fp8" (vLLM's names;
+    values are cast unscaled, as vLLM does without checkpoint scales)."""
+    return dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def kv_budget_bytes(args: EngineArgs, runtime: DeviceRuntime, profile: Callable[[], int]) -> int:
     """The explicit budget; on the CPU a default share of free memory; on a GPU what
     `gpu_memory_utilization` leaves after the weights and the peak of a profiling forward."""
@@ -214,14 +220,17 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     recipe = recipe_for(getattr(hf_config, "architectures", None))
     spec = recipe.spec(hf_config)
     dtype = resolve_dtype(args.dtype, hf_config, runtime)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     backend_cls = select_backend(
-        BackendRequirements(runtime.name, dtype, spec.head_dim, spec.sliding_window is not None, args.page_size),
+        BackendRequirements(
+            runtime.name, dtype, spec.head_dim, spec.sliding_window is not None, args.page_size, kv_dtype
+        ),
         args.attention_backend,
     )
     model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed, parallel)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
-    kv_spec = spec.kv_cache_spec(dtype, args.page_size, parallel)
+    kv_spec = spec.kv_cache_spec(kv_dtype, args.page_size, parallel)
     longest = args.max_model_len or spec.max_position_embeddings
     recurrent = recurrent_provider(spec, dtype, args.max_num_seqs, runtime, parallel)
     sampling = parallel.rank == 0

@@ -120,6 +120,62 @@ def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, p
         start += new
 
 
+FLOAT8 = torch.float8_e4m3fn
+FLOAT8_CASES = [
+    (backend, device, page_size, window)
+    for backend in BACKENDS
+    if FLOAT8 in backend.capabilities.kv_cache_dtypes
+    for device in backend_devices(backend)
+    for page_size in supported((4, 16), backend.capabilities.page_sizes)
+    for window in (None, 5)
+]
+
+
+@pytest.mark.parametrize("backend_cls, device, page_size, window", FLOAT8_CASES)
+def test_backend_with_a_float8_pool_attends_over_the_rounded_keys_and_values(backend_cls, device, page_size, window):
+    """A float8 pool stores each key and value rounded to float8 and reads them back exactly:
+    attention then matches the dense reference over the rounded context. (Inputs are already
+    representable, so the check does not depend on how a device rounds.)"""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 64
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=FLOAT8, page_size=page_size)
+    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), torch.device(device))
+    backend = backend_cls(torch.device(device), page_size)
+
+    def representable(*shape):
+        return torch.randn(*shape).to(FLOAT8).float()
+
+    shapes = [(0, 1), (21, 1), (0, 9), (0, 70)]  # a decode after a prefill, prefills
+    contexts = [(representable(c + n, kv_heads, dim), representable(c + n, kv_heads, dim)) for c, n in shapes]
+    pages = [tuple(kv.reserve(str(i), c + n)) for i, (c, n) in enumerate(shapes)]
+    cached, new = shapes[1]
+    prefix = backend.bind(BatchLayout((SequenceChunk(cached, 0, pages[1]),), 0, page_size))
+    k, v = contexts[1][0][:cached], contexts[1][1][:cached]
+    backend.forward(torch.randn(cached, heads, dim).to(device), k.to(device), v.to(device), kv.layer(0), prefix, layer)
+    assert kv.layer(0).key.dtype == FLOAT8
+    chunks = tuple(SequenceChunk(n, c, p) for (c, n), p in zip(shapes, pages))
+    metadata = backend.bind(BatchLayout(chunks, num_decodes=2, page_size=page_size))
+    queries = [torch.randn(n, heads, dim) for _, n in shapes]
+    new_k = torch.cat([k[c:] for (k, _), (c, _) in zip(contexts, shapes)])
+    new_v = torch.cat([v[c:] for (_, v), (c, _) in zip(contexts, shapes)])
+    out = backend.forward(
+        torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv.layer(0), metadata, layer
+    )
+    start = 0
+    for query, context, (cached, new) in zip(queries, contexts, shapes):
+        expected = dense_reference(query, *context, cached, layer.scale, window)
+        torch.testing.assert_close(out[start : start + new].cpu(), expected, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+def test_a_float8_pool_needs_a_backend_that_reads_it():
+    needs = BackendRequirements("cpu", torch.float32, 64, False, 16, kv_cache_dtype=FLOAT8)
+    assert select_backend(needs).name == "torch"  # the CPU backend's mirror keeps the model dtype
+    with pytest.raises(NoAttentionBackendError, match="torch_cpu: kv cache dtype torch.float8_e4m3fn not supported"):
+        select_backend(needs, preferred="torch_cpu")
+
+
 STEP_CASES = [
     (backend, device, page_size, window)
     for backend in BACKENDS

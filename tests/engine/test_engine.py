@@ -278,3 +278,34 @@ def test_hybrid_request_aborted_mid_prefill_frees_its_state_slot(checkpoint_dir,
     engine.abort_request("long")
     assert_pool_balanced(llm)
     assert engine.parts.recurrent.free_capacity() == 2
+
+
+def test_float8_kv_cache_holds_four_times_the_float32_tokens_and_stays_close(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3"))
+    exact = LLM(path, kv_cache_memory_gb=0.002)
+    narrow = LLM(path, kv_cache_memory_gb=0.002, kv_cache_dtype="fp8")
+    assert narrow.engine.parts.kv.spec.dtype == torch.float8_e4m3fn
+    assert narrow.engine.parts.kv.num_pages // 4 == exact.engine.parts.kv.num_pages
+    # Teacher-forced logprobs of the same tokens (prompt logprobs read the prefix back from
+    # the pool), so both runs score the same text and only the rounding of K and V differs.
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    batch = prompts(3, 48)
+
+    def prompt_logprobs(llm: LLM) -> torch.Tensor:
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        return torch.tensor(
+            [
+                position[token].logprob
+                for output in outputs
+                for token, position in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:])
+            ]
+        )
+
+    # e4m3 keeps 3 mantissa bits (rounding errors up to 6%): close, not equal.
+    difference = (prompt_logprobs(narrow) - prompt_logprobs(exact)).abs()
+    assert 0 < difference.mean() < 0.05 and difference.max() < 0.3, (difference.mean(), difference.max())
+
+
+def test_unknown_kv_cache_dtype_is_a_clear_error(checkpoint_dir):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int4'"):
+        LLM(str(checkpoint_dir("qwen3")), kv_cache_dtype="int4")

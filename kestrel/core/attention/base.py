@@ -38,6 +38,8 @@ class BackendCapabilities:
     sliding_window: bool
     cuda_graphs: bool
     page_sizes: frozenset[int] | None  # None: any page size
+    # KV pool dtypes it reads and writes besides the model's own (a quantized cache).
+    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class BackendRequirements:
     head_dim: int
     sliding_window: bool
     page_size: int
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
 
 class AttentionBackend(ABC):
@@ -72,6 +75,9 @@ class AttentionBackend(ABC):
             reasons.append(f"head_dim {needs.head_dim} not in {sorted(caps.head_dims)}")
         if caps.page_sizes is not None and needs.page_size not in caps.page_sizes:
             reasons.append(f"page_size {needs.page_size} not in {sorted(caps.page_sizes)}")
+        kv_dtype = needs.kv_cache_dtype or needs.dtype
+        if kv_dtype != needs.dtype and kv_dtype not in caps.kv_cache_dtypes:
+            reasons.append(f"kv cache dtype {kv_dtype} not supported")
         if needs.sliding_window and not caps.sliding_window:
             reasons.append("sliding-window attention not supported")
         return reasons

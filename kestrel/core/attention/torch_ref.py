@@ -1,7 +1,7 @@
 """The torch reference backend: paged KV attention in plain PyTorch, on any device.
 
 Decodes run as one padded batch; each prefill sequence runs on its own. It is the
-correctness reference every other backend is tested against.
+correctness reference every other backend is tested against, float8 KV pools included.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class TorchReferenceBackend(PagedAttentionBackend):
         sliding_window=True,
         cuda_graphs=False,
         page_sizes=None,
+        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
     )
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -54,25 +55,36 @@ class TorchReferenceBackend(PagedAttentionBackend):
         prefill_attention(query, cache, meta, layer, output)
 
 
+FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn})
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes: torch has no CPU copy-by-index kernels for float8, and
+    moving the bytes is the same copy."""
+    return tensor.view(torch.uint8) if tensor.dtype in FLOAT8_DTYPES else tensor
+
+
 def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """key, value [tokens, kv_heads, dim] into their slots of the head-major pages."""
     heads, dim = key.shape[1], key.shape[2]
-    cache.key.view(heads, -1, dim).index_copy_(1, slots, key.transpose(0, 1).to(cache.key.dtype))
-    cache.value.view(heads, -1, dim).index_copy_(1, slots, value.transpose(0, 1).to(cache.value.dtype))
+    for pages, new in ((cache.key, key), (cache.value, value)):
+        _raw(pages).view(heads, -1, dim).index_copy_(1, slots, _raw(new.transpose(0, 1).to(pages.dtype)))
 
 
-def gather_pages(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-    """[heads, num_pages, page, dim] gathered by [rows, width] -> [rows, heads, width*page, dim]."""
-    gathered = pages[:, page_table]
+def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[heads, num_pages, page, dim] gathered by [rows, width] -> [rows, heads, width*page, dim],
+    in `dtype` (default: the pool's own)."""
+    gathered = _raw(pages)[:, page_table].view(pages.dtype)
     heads, rows, width, page, dim = gathered.shape
-    return gathered.view(heads, rows, width * page, dim).transpose(0, 1)
+    gathered = gathered.view(heads, rows, width * page, dim).transpose(0, 1)
+    return gathered if dtype is None else gathered.to(dtype)
 
 
 def _decode_attention(
     query: torch.Tensor, cache: KVLayerCache, meta: DecodeMetadata, layer: AttentionLayerSpec
 ) -> torch.Tensor:
-    keys = gather_pages(cache.key, meta.page_table)
-    values = gather_pages(cache.value, meta.page_table)
+    keys = gather_pages(cache.key, meta.page_table, query.dtype)
+    values = gather_pages(cache.value, meta.page_table, query.dtype)
     key_positions = torch.arange(keys.shape[2], device=query.device)
     seq_lens = meta.seq_lens[:, None]
     mask = key_positions[None, :] < seq_lens
@@ -82,10 +94,8 @@ def _decode_attention(
     # attention per KV head, with no copy of K and V per query head.
     rows, group = query.shape[0], layer.num_heads // layer.num_kv_heads
     grouped = query.reshape(rows, layer.num_kv_heads, group, layer.head_dim)
-    out = F.scaled_dot_product_attention(
-        grouped.to(keys.dtype), keys, values, attn_mask=mask[:, None, None, :], scale=layer.scale
-    )
-    return out.reshape(rows, layer.num_heads, layer.head_dim).to(query.dtype)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=layer.scale)
+    return out.reshape(rows, layer.num_heads, layer.head_dim)
 
 
 def prefill_attention(
@@ -98,19 +108,19 @@ def prefill_attention(
     for index, (cached, seq_len) in enumerate(zip(meta.num_cached_tokens, meta.seq_lens)):
         start, end = meta.query_start_loc[index], meta.query_start_loc[index + 1]
         table = meta.page_table[index : index + 1]
-        keys = gather_pages(cache.key, table)[:, :, :seq_len]
-        values = gather_pages(cache.value, table)[:, :, :seq_len]
+        keys = gather_pages(cache.key, table, query.dtype)[:, :, :seq_len]
+        values = gather_pages(cache.value, table, query.dtype)[:, :, :seq_len]
         query_positions = torch.arange(cached, seq_len, device=query.device)[:, None]
         key_positions = torch.arange(seq_len, device=query.device)[None, :]
         mask = key_positions <= query_positions
         if layer.sliding_window is not None:
             mask &= key_positions > query_positions - layer.sliding_window
         out = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1)[None].to(keys.dtype),
+            query[start:end].transpose(0, 1)[None],
             keys,
             values,
             attn_mask=mask[None, None],
             scale=layer.scale,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        output[start:end] = out[0].transpose(0, 1).to(query.dtype)
+        output[start:end] = out[0].transpose(0, 1)

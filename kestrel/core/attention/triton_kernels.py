@@ -9,6 +9,9 @@
 - `prefill_kernel`: one program per (sequence, query head, block of query rows); walks the
   sequence's pages (cached prefix and new tokens alike) with causal and window masks.
 Both attention kernels use an online softmax (FlashAttention-style) in float32.
+
+The pool may hold a narrower dtype than the model (float8 e4m3): keys and values are cast on
+the way in and widened to the query's dtype as they are read, so the dots run as before.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def store_kv_kernel(
     key = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + dims, mask=in_dim)
     value = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + dims, mask=in_dim)
     target = head * stride_cache_head + slot * stride_cache_slot + dims
-    tl.store(key_cache_ptr + target, key.to(key_cache_ptr.dtype.element_ty), mask=in_dim)
-    tl.store(value_cache_ptr + target, value.to(value_cache_ptr.dtype.element_ty), mask=in_dim)
+    # Through float32: half types have no direct conversion to float8 everywhere.
+    tl.store(key_cache_ptr + target, key.to(tl.float32).to(key_cache_ptr.dtype.element_ty), mask=in_dim)
+    tl.store(value_cache_ptr + target, value.to(tl.float32).to(value_cache_ptr.dtype.element_ty), mask=in_dim)
 
 
 @triton.jit
@@ -78,8 +82,8 @@ def _attend_block(
         + dims[None, :]
     )
     load_mask = in_sequence[:, None] & (dims < HEAD_DIM)[None, :]
-    keys = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0)
-    values = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0)
+    keys = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(query.dtype)
+    values = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0).to(query.dtype)
     scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))

@@ -34,6 +34,7 @@ class TritonPagedBackend(PagedAttentionBackend):
         sliding_window=True,
         cuda_graphs=True,
         page_sizes=frozenset({16, 32, 64, 128}),
+        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
     )
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -93,9 +94,9 @@ def _window(layer: AttentionLayerSpec) -> int:
     return layer.sliding_window or 0
 
 
-def _precision(cache: KVLayerCache) -> str:
+def _precision(query: torch.Tensor) -> str:
     # float32 models get exact float32 dots, not TF32; half types ignore this.
-    return "ieee" if cache.key.dtype == torch.float32 else "tf32"
+    return "ieee" if query.dtype == torch.float32 else "tf32"
 
 
 def decode_attention(
@@ -140,7 +141,7 @@ def decode_attention(
         BLOCK_D=_block_d(layer.head_dim),
         PAGE=page_size_of(cache),
         BLOCK_N=key_block(cache),
-        PRECISION=_precision(cache),
+        PRECISION=_precision(query),
         SPLIT=splits > 1,
     )
     if splits > 1:
@@ -200,7 +201,7 @@ def prefill_attention(
         BLOCK_M=PREFILL_BLOCK_M,
         PAGE=page_size_of(cache),
         BLOCK_N=key_block(cache),
-        PRECISION=_precision(cache),
+        PRECISION=_precision(query),
     )
 
 
