@@ -169,6 +169,21 @@ def test_backend_with_a_float8_pool_attends_over_the_rounded_keys_and_values(bac
         start += new
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's own float8 rounding needs a GPU")
+def test_triton_store_rounds_to_float8_as_torch_does():
+    from kestrel.core.attention.triton_paged import store_kv
+
+    torch.manual_seed(0)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, dtype=FLOAT8, page_size=16)
+    kv = PagedKVProvider(spec, 4 * spec.bytes_per_page(), torch.device("cuda"))
+    key, value = (torch.randn(5, 2, 64, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(2))
+    slots = torch.tensor([0, 3, 17, 18, 40], device="cuda")
+    store_kv(kv.layer(0), key, value, slots)
+    for pages, new in ((kv.layer(0).key, key), (kv.layer(0).value, value)):
+        stored = pages.view(torch.uint8).view(2, -1, 64)[:, slots].transpose(0, 1)
+        assert torch.equal(stored, new.to(FLOAT8).view(torch.uint8))
+
+
 def test_a_float8_pool_needs_a_backend_that_reads_it():
     needs = BackendRequirements("cpu", torch.float32, 64, False, 16, kv_cache_dtype=FLOAT8)
     assert select_backend(needs).name == "torch"  # the CPU backend's mirror keeps the model dtype
