@@ -48,11 +48,11 @@ def main() -> None:
         weights = gemv._weights_beyond_cache(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         cublas = tera_bytes_per_s(x, weights, gemv._cublas)
-        triton_tuned = tera_bytes_per_s(x, weights, gemv.gemv)
+        triton_tuned = tera_bytes_per_s(x, weights, gemv._triton)
         kept = "triton" if gemv.prefers_gemv(x, weights[0]) else "cublas"
         print(f"{name:<14}{cublas:>12.2f}{triton_tuned:>12.2f}  {kept}")
         ranked = sorted(
-            ((tera_bytes_per_s(x, weights, lambda x, w, c=c: gemv.gemv(x, w, c)), c) for c in configs),
+            ((tera_bytes_per_s(x, weights, lambda x, w, c=c: gemv.gemv(x, w, config=c)), c) for c in configs),
             key=lambda pair: -pair[0],
         )
         for rate, config in ranked[:5]:

@@ -28,11 +28,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.shape[0] >= _ONEDNN_MIN_ROWS
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES:
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES:
         from kestrel.layers import gemv
 
         if gemv.prefers_gemv(x, weight):
-            return gemv.gemv(x, weight)
+            return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

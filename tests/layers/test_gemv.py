@@ -20,9 +20,13 @@ def test_gemv_matches_torch_on_ragged_shapes(dtype, n, k, block_n, block_k):
     x = torch.randn(1, k, device=DEVICE).to(dtype)
     weight = torch.randn(n, k, device=DEVICE).to(dtype)
     expected = (x.float() @ weight.float().T).to(dtype)
-    got = gemv.gemv(x, weight, triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}))
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k})
+    got = gemv.gemv(x, weight, config=config)
     assert got.shape == (1, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=1e-2)
+    with_bias = gemv.gemv(x, weight, bias, config=config)
+    torch.testing.assert_close(with_bias.float(), (expected + bias).float(), atol=2e-2, rtol=1e-2)
 
 
 def test_gemv_refuses_more_than_one_row():

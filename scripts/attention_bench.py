@@ -1,0 +1,56 @@
+"""Decode attention alone on a GPU: a full batch of long contexts over a bf16 pool and over a
+float8 pool (Llama-3-8B heads), as KV bytes read per second.
+
+    python scripts/attention_bench.py [--batch 256] [--context 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kestrel.core.attention.base import AttentionLayerSpec
+from kestrel.core.attention.triton_paged import decode_attention
+from kestrel.core.metadata import DecodeMetadata
+from kestrel.core.state import KVCacheSpec, PagedKVProvider
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+def pool(dtype: torch.dtype, batch: int, context: int) -> tuple[PagedKVProvider, DecodeMetadata]:
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, page_size=PAGE)
+    pages_per_seq = -(-context // PAGE)
+    kv = PagedKVProvider(spec, batch * pages_per_seq * spec.bytes_per_page(), torch.device("cuda"))
+    for layer in (kv.layer(0).key, kv.layer(0).value):
+        layer.copy_(torch.randn(layer.shape, device="cuda").to(dtype))
+    table = torch.randperm(batch * pages_per_seq, device="cuda", dtype=torch.int32).view(batch, pages_per_seq)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return kv, DecodeMetadata(num_seqs=batch, seq_lens=seq_lens, page_table=table, max_seq_len=context)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1500)
+    args = parser.parse_args()
+    layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    query = torch.randn(args.batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    output = torch.empty_like(query)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        kv, meta = pool(dtype, args.batch, args.context)
+        for _ in range(3):
+            decode_attention(query, kv.layer(0), meta, layer, output)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            decode_attention(query, kv.layer(0), meta, layer, output)
+        end.record()
+        end.synchronize()
+        milliseconds = start.elapsed_time(end) / 20
+        kv_bytes = 2 * args.batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+        print(f"{str(dtype):<22}{milliseconds * 1e3:>9.1f} us {kv_bytes / milliseconds / 1e9:>8.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()
