@@ -1,5 +1,6 @@
 """Decode attention alone on a GPU: a full batch of long contexts over a bf16 pool and over a
-float8 pool (Llama-3-8B heads), as KV bytes read per second.
+float8 pool (Llama-3-8B heads), as KV bytes read per second, for Triton's default launch and
+a sweep of warps and pipeline stages.
 
     python scripts/attention_bench.py [--batch 256] [--context 1500]
 """
@@ -37,19 +38,26 @@ def main() -> None:
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     query = torch.randn(args.batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     output = torch.empty_like(query)
+    launches = [{}] + [{"num_warps": w, "num_stages": s} for w in (4, 8) for s in (1, 2, 3, 4)]
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         kv, meta = pool(dtype, args.batch, args.context)
-        for _ in range(3):
-            decode_attention(query, kv.layer(0), meta, layer, output)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            decode_attention(query, kv.layer(0), meta, layer, output)
-        end.record()
-        end.synchronize()
-        milliseconds = start.elapsed_time(end) / 20
         kv_bytes = 2 * args.batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-        print(f"{str(dtype):<22}{milliseconds * 1e3:>9.1f} us {kv_bytes / milliseconds / 1e9:>8.2f} TB/s")
+        for launch in launches:
+            milliseconds = time_decode(query, kv, meta, layer, output, launch)
+            rate = kv_bytes / milliseconds / 1e9
+            print(f"{str(dtype):<22}{str(launch):<34}{milliseconds * 1e3:>9.1f} us {rate:>8.2f} TB/s")
+
+
+def time_decode(query, kv, meta, layer, output, launch: dict) -> float:
+    for _ in range(3):
+        decode_attention(query, kv.layer(0), meta, layer, output, **launch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        decode_attention(query, kv.layer(0), meta, layer, output, **launch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20
 
 
 if __name__ == "__main__":

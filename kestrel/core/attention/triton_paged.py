@@ -106,9 +106,11 @@ def decode_attention(
     layer: AttentionLayerSpec,
     output: torch.Tensor,
     num_splits: int | None = None,
+    **launch: int,
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
-    its lengths, so a captured graph stays valid for every step of its bucket."""
+    its lengths, so a captured graph stays valid for every step of its bucket. `launch`
+    (num_warps, num_stages) overrides Triton's defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
@@ -143,6 +145,7 @@ def decode_attention(
         BLOCK_N=key_block(cache),
         PRECISION=_precision(query),
         SPLIT=splits > 1,
+        **launch,
     )
     if splits > 1:
         combine_splits_kernel[(meta.num_seqs, layer.num_heads)](
