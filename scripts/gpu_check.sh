@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh tests       # the CUDA tests (compiled kernels, HF parity, no syncs in launch)
 #   bash scripts/gpu_check.sh latency     # matvec vs cuBLAS, batch-1 latency, decode profile
 #   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
-#   bash scripts/gpu_check.sh fp8         # 1000 x 1000/1000 with a float8 KV pool
+#   bash scripts/gpu_check.sh fp8         # decode attention over bf16 vs float8 pools; 1000 x 1000/1000 with float8
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
 set -uo pipefail
@@ -39,6 +39,7 @@ for phase in "${@:-tests}"; do
             --out "$out/timeline.json" 2>&1 | tail -n 20
         ;;
     fp8)
+        python3 scripts/attention_bench.py 2>&1 | tee "$out/attention.log"
         throughput 1000 1000 fp8
         ;;
     long)
