@@ -8,6 +8,7 @@ a sweep of warps and pipeline stages.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -38,23 +39,26 @@ def main() -> None:
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     query = torch.randn(args.batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     output = torch.empty_like(query)
-    launches = [{}] + [{"num_warps": w, "num_stages": s} for w in (4, 8) for s in (1, 2, 3, 4)]
+    launches = [{}] + [
+        {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (4, 8) for s in (1, 2) for n in (32, 64, 128)
+    ]
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         kv, meta = pool(dtype, args.batch, args.context)
         kv_bytes = 2 * args.batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-        for launch in launches:
-            milliseconds = time_decode(query, kv, meta, layer, output, launch)
+        for launch, splits in itertools.product(launches, (1, 2, 4)):
+            milliseconds = time_decode(query, kv, meta, layer, output, launch, splits)
             rate = kv_bytes / milliseconds / 1e9
-            print(f"{str(dtype):<22}{str(launch):<34}{milliseconds * 1e3:>9.1f} us {rate:>8.2f} TB/s")
+            setting = f"{launch} splits={splits}"
+            print(f"{str(dtype):<22}{setting:<60}{milliseconds * 1e3:>9.1f} us {rate:>8.2f} TB/s")
 
 
-def time_decode(query, kv, meta, layer, output, launch: dict) -> float:
+def time_decode(query, kv, meta, layer, output, launch: dict, splits: int) -> float:
     for _ in range(3):
-        decode_attention(query, kv.layer(0), meta, layer, output, **launch)
+        decode_attention(query, kv.layer(0), meta, layer, output, splits, **launch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(20):
-        decode_attention(query, kv.layer(0), meta, layer, output, **launch)
+        decode_attention(query, kv.layer(0), meta, layer, output, splits, **launch)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 20

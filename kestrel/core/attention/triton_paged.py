@@ -110,7 +110,7 @@ def decode_attention(
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
     its lengths, so a captured graph stays valid for every step of its bucket. `launch`
-    (num_warps, num_stages) overrides Triton's defaults, for sweeps."""
+    (num_warps, num_stages, BLOCK_N) overrides the defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
@@ -137,15 +137,19 @@ def decode_attention(
         layer.scale,
         _window(layer),
         splits,
-        GROUP=group,
-        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=layer.head_dim,
-        BLOCK_D=_block_d(layer.head_dim),
-        PAGE=page_size_of(cache),
-        BLOCK_N=key_block(cache),
-        PRECISION=_precision(query),
-        SPLIT=splits > 1,
-        **launch,
+        **(
+            dict(
+                GROUP=group,
+                GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+                HEAD_DIM=layer.head_dim,
+                BLOCK_D=_block_d(layer.head_dim),
+                PAGE=page_size_of(cache),
+                BLOCK_N=key_block(cache),
+                PRECISION=_precision(query),
+                SPLIT=splits > 1,
+            )
+            | launch
+        ),
     )
     if splits > 1:
         combine_splits_kernel[(meta.num_seqs, layer.num_heads)](
