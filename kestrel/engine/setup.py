@@ -250,6 +250,14 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         # cached KV prefix would come without the state that goes with it: no caching.
         enable_prefix_caching=args.enable_prefix_caching and recurrent is None,
     )
+    logger.info(
+        "KV pool: %d pages of %d tokens (%s), %.2f GiB; attention backend %s",
+        kv.num_pages,
+        args.page_size,
+        str(kv_dtype).removeprefix("torch."),
+        kv.num_pages * kv_spec.bytes_per_page() / GIB,
+        backend_cls.name,
+    )
     max_model_len = resolve_max_model_len(args, spec, kv)
     backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
     graphs = None
