@@ -69,25 +69,13 @@ def gemv(
         raise ValueError(f"gemv takes x [1, {k}] and a row-major weight; got x {tuple(x.shape)}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    bias_or_out = bias if bias is not None else out  # never read without a bias
+    # Without a bias the kernel never reads its bias pointer; `out` stands in for it.
+    args = (x, weight, out if bias is None else bias, out, n, k, weight.stride(0))
     if config is None:
-        _tuned_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            x, weight, bias_or_out, out, n, k, weight.stride(0), HAS_BIAS=bias is not None
-        )
+        _tuned_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None)
     else:
-        _gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
-            x,
-            weight,
-            bias_or_out,
-            out,
-            n,
-            k,
-            weight.stride(0),
-            HAS_BIAS=bias is not None,
-            **config.kwargs,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
+        grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]),)
+        _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, **config.all_kwargs())
     return out
 
 
