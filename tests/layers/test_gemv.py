@@ -43,3 +43,13 @@ def test_one_row_linear_picks_the_faster_path_and_matches_torch():
     key = (4096, 4096, torch.bfloat16, weight.device)
     assert key in gemv._preference  # measured once, then kept
     torch.testing.assert_close(got.float(), (x.float() @ weight.float().T), atol=3e-2, rtol=1e-2)
+
+
+def test_timing_rotates_over_copies_that_outgrow_the_cache_unless_the_weight_already_does():
+    small = torch.zeros(256, 1024)  # 1 MiB: as many copies as timed calls
+    copies = gemv._weights_beyond_cache(small)
+    assert len(copies) == gemv.TIMING_REPEATS and copies[0] is small
+    assert len({c.data_ptr() for c in copies}) == len(copies) and all(torch.equal(c, small) for c in copies)
+    large = torch.empty(gemv._TIMED_BYTES // 4 + 1, dtype=torch.float32)  # past the timed bytes alone
+    (only,) = gemv._weights_beyond_cache(large)
+    assert only is large
