@@ -117,6 +117,17 @@ def decode_attention(
     if splits > 1:
         partial_out = query.new_empty((meta.num_seqs, layer.num_heads, splits, layer.head_dim), dtype=torch.float32)
         partial_lse = query.new_empty((meta.num_seqs, layer.num_heads, splits), dtype=torch.float32)
+    constants = dict(
+        GROUP=group,
+        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=layer.head_dim,
+        BLOCK_D=_block_d(layer.head_dim),
+        PAGE=page_size_of(cache),
+        BLOCK_N=key_block(cache),
+        PRECISION=_precision(query),
+        SPLIT=splits > 1,
+    )
+    constants.update(launch)
     decode_kernel[(meta.num_seqs, layer.num_kv_heads, splits)](
         query,
         cache.key,
@@ -137,19 +148,7 @@ def decode_attention(
         layer.scale,
         _window(layer),
         splits,
-        **(
-            dict(
-                GROUP=group,
-                GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-                HEAD_DIM=layer.head_dim,
-                BLOCK_D=_block_d(layer.head_dim),
-                PAGE=page_size_of(cache),
-                BLOCK_N=key_block(cache),
-                PRECISION=_precision(query),
-                SPLIT=splits > 1,
-            )
-            | launch
-        ),
+        **constants,
     )
     if splits > 1:
         combine_splits_kernel[(meta.num_seqs, layer.num_heads)](
