@@ -13,6 +13,9 @@ import torch
 
 from kestrel.core.prefix_cache import PrefixCache
 
+# The float8 dtypes a KV pool may store (with a backend that declares it can read them).
+FLOAT8_KV_DTYPES = frozenset({torch.float8_e4m3fn})
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:

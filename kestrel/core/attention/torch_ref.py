@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.binding import PagedAttentionBackend
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
-from kestrel.core.state import KVLayerCache
+from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
 
 
 class TorchReferenceBackend(PagedAttentionBackend):
@@ -24,7 +24,7 @@ class TorchReferenceBackend(PagedAttentionBackend):
         sliding_window=True,
         cuda_graphs=False,
         page_sizes=None,
-        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+        kv_cache_dtypes=FLOAT8_KV_DTYPES,
     )
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -55,13 +55,10 @@ class TorchReferenceBackend(PagedAttentionBackend):
         prefill_attention(query, cache, meta, layer, output)
 
 
-FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn})
-
-
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
     """A float8 tensor as its bytes: torch has no CPU copy-by-index kernels for float8, and
     moving the bytes is the same copy."""
-    return tensor.view(torch.uint8) if tensor.dtype in FLOAT8_DTYPES else tensor
+    return tensor.view(torch.uint8) if tensor.dtype in FLOAT8_KV_DTYPES else tensor
 
 
 def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:

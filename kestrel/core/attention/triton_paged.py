@@ -16,7 +16,7 @@ from kestrel.core.attention.triton_kernels import (
     store_kv_kernel,
 )
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
-from kestrel.core.state import KVLayerCache
+from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
 
 PREFILL_BLOCK_M = 64
 KEY_BLOCK = 64  # keys per inner step: several small pages, or one page of 64 or more
@@ -34,7 +34,7 @@ class TritonPagedBackend(PagedAttentionBackend):
         sliding_window=True,
         cuda_graphs=True,
         page_sizes=frozenset({16, 32, 64, 128}),
-        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+        kv_cache_dtypes=FLOAT8_KV_DTYPES,
     )
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
