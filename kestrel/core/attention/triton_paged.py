@@ -99,6 +99,11 @@ def _precision(query: torch.Tensor) -> str:
     return "ieee" if query.dtype == torch.float32 else "tf32"
 
 
+def _dots_in_fp16(query: torch.Tensor, cache: KVLayerCache) -> bool:
+    # A float8 pool widens exactly, and cheaply, to float16 (triton_kernels' docstring).
+    return cache.key.dtype in FLOAT8_KV_DTYPES and query.dtype in (torch.bfloat16, torch.float16)
+
+
 def decode_attention(
     query: torch.Tensor,
     cache: KVLayerCache,
@@ -126,6 +131,7 @@ def decode_attention(
         BLOCK_N=key_block(cache),
         PRECISION=_precision(query),
         SPLIT=splits > 1,
+        DOTS_IN_FP16=_dots_in_fp16(query, cache),
     )
     constants.update(launch)
     decode_kernel[(meta.num_seqs, layer.num_kv_heads, splits)](
@@ -208,6 +214,7 @@ def prefill_attention(
         PAGE=page_size_of(cache),
         BLOCK_N=key_block(cache),
         PRECISION=_precision(query),
+        DOTS_IN_FP16=_dots_in_fp16(query, cache),
     )
 
 
