@@ -1,8 +1,11 @@
 """Decode attention alone on a GPU: a full batch of long contexts over a bf16 pool and over a
 float8 pool (Llama-3-8B heads), as KV bytes read per second, for Triton's default launch and
-a sweep of warps and pipeline stages.
+a sweep of warps, pipeline stages, key blocks and key splits.
 
-    python scripts/attention_bench.py [--batch 256] [--context 1500]
+    python scripts/attention_bench.py [--batch 256] [--context 1500] [--quick]
+
+`--quick` times only the default launch and the sweep's best at 256 x 1,500 (4 warps, 2
+stages, 128-key blocks), with the default key splits.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1500)
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     query = torch.randn(args.batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -42,17 +46,20 @@ def main() -> None:
     launches = [{}] + [
         {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (4, 8) for s in (1, 2) for n in (32, 64, 128)
     ]
+    splits_tried = (None, 1, 2, 4)  # None: the default for the batch
+    if args.quick:
+        launches, splits_tried = [{}, {"num_warps": 4, "num_stages": 2, "BLOCK_N": 128}], (None,)
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         kv, meta = pool(dtype, args.batch, args.context)
         kv_bytes = 2 * args.batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-        for launch, splits in itertools.product(launches, (1, 2, 4)):
+        for launch, splits in itertools.product(launches, splits_tried):
             milliseconds = time_decode(query, kv, meta, layer, output, launch, splits)
             rate = kv_bytes / milliseconds / 1e9
             setting = f"{launch} splits={splits}"
             print(f"{str(dtype):<22}{setting:<60}{milliseconds * 1e3:>9.1f} us {rate:>8.2f} TB/s")
 
 
-def time_decode(query, kv, meta, layer, output, launch: dict, splits: int) -> float:
+def time_decode(query, kv, meta, layer, output, launch: dict, splits: int | None) -> float:
     for _ in range(3):
         decode_attention(query, kv.layer(0), meta, layer, output, splits, **launch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh tests       # the CUDA tests (compiled kernels, HF parity, no syncs in launch)
 #   bash scripts/gpu_check.sh latency     # matvec vs cuBLAS, batch-1 latency, decode profile
 #   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
-#   bash scripts/gpu_check.sh fp8         # decode attention over bf16 vs float8 pools; 1000 x 1000/1000 with float8
+#   bash scripts/gpu_check.sh attention   # decode attention over bf16 vs float8 pools, 256 x 1500 and batch 1
+#   bash scripts/gpu_check.sh fp8         # decode attention sweep; 1000 x 1000/1000 with a float8 pool
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
 set -uo pipefail
@@ -38,15 +39,19 @@ for phase in "${@:-tests}"; do
             --num-prompts 256 --input-len 1000 --output-len 200 --sync-debug \
             --out "$out/timeline.json" 2>&1 | tail -n 20
         ;;
+    attention)
+        python3 scripts/attention_bench.py --quick 2>&1 | tee "$out/attention.log"
+        python3 scripts/attention_bench.py --quick --batch 1 --context 384 2>&1 | tee -a "$out/attention.log"
+        ;;
     fp8)
-        python3 scripts/attention_bench.py 2>&1 | tee "$out/attention.log"
+        python3 scripts/attention_bench.py 2>&1 | tee "$out/attention_sweep.log"
         throughput 1000 1000 fp8
         ;;
     long)
         throughput 2048 2048
         ;;
     *)
-        echo "unknown phase $phase (tests, latency, throughput, fp8, long)" >&2
+        echo "unknown phase $phase (tests, latency, throughput, attention, fp8, long)" >&2
         exit 2
         ;;
     esac

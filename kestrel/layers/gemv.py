@@ -10,6 +10,12 @@ Whether it beats cuBLAS depends on the shape and the GPU, so it is not assumed: 
 time a weight shape is seen outside graph capture, both are timed on the device alone (queued
 behind a device-side sleep, so host launch costs do not count, as in the decode graphs) and
 the faster one is kept for that shape (`prefers_gemv`).
+
+`gemv_silu_and_mul` is the MLP's gate and up projection with its activation: each program
+reads the gate row and the up row of its outputs and writes silu(gate) * up, so one kernel
+(and one launch) does what a linear and `silu_and_mul` did. `gemv_rotary` is the attention's
+qkv projection with the rotary embedding of its query and key heads: each program reads the
+two rows, d and d + head_dim / 2 of a head, that rotate together.
 """
 
 from __future__ import annotations
@@ -51,12 +57,99 @@ def _gemv_kernel(
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
 
 
+@triton.jit
+def _gemv_silu_and_mul_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    WIDTH,
+    K,
+    stride_w,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[n] = silu(gate[n]) * up[n], where gate = w[:WIDTH] @ x and up = w[WIDTH:] @ x."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < WIDTH
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        in_cols = cols < K
+        x = tl.load(x_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+        mask = in_rows[:, None] & in_cols[None, :]
+        gate_rows = w_ptr + rows[:, None] * stride_w + cols[None, :]
+        gate_w = tl.load(gate_rows, mask=mask, other=0.0)
+        up_w = tl.load(gate_rows + WIDTH * stride_w, mask=mask, other=0.0)
+        gate += tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1)
+        up += tl.sum(up_w.to(tl.float32) * x[None, :], axis=1)
+    # Rounded where the separate linear and activation round, so both paths give the same bits.
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows, (activated * up).to(dtype), mask=in_rows)
+
+
+@triton.jit
+def _gemv_rotary_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    PAIRS,
+    K,
+    stride_w,
+    ROTATED_ROWS,
+    HALF: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """w @ x (+ bias) for the row pairs (d, d + HALF) of each head; pairs in the first
+    ROTATED_ROWS rows are then rotated by cos/sin [1, 2 * HALF] (rotate-half layout)."""
+    pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = pairs < PAIRS
+    half = pairs % HALF
+    first_rows = pairs // HALF * (2 * HALF) + half
+    first = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    second = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        in_cols = cols < K
+        x = tl.load(x_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+        mask = in_rows[:, None] & in_cols[None, :]
+        first_w = w_ptr + first_rows[:, None] * stride_w + cols[None, :]
+        first += tl.sum(tl.load(first_w, mask=mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+        second += tl.sum(tl.load(first_w + HALF * stride_w, mask=mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        first += tl.load(bias_ptr + first_rows, mask=in_rows, other=0.0).to(tl.float32)
+        second += tl.load(bias_ptr + first_rows + HALF, mask=in_rows, other=0.0).to(tl.float32)
+    # Rounded where the linear and the rotary kernel round (fused.rotary_), for the same bits.
+    dtype = out_ptr.dtype.element_ty
+    first = first.to(dtype)
+    second = second.to(dtype)
+    rotated = in_rows & (first_rows < ROTATED_ROWS)
+    cos_first = tl.load(cos_ptr + half, mask=rotated, other=1.0)
+    cos_second = tl.load(cos_ptr + HALF + half, mask=rotated, other=1.0)
+    sin_first = tl.load(sin_ptr + half, mask=rotated, other=0.0)
+    sin_second = tl.load(sin_ptr + HALF + half, mask=rotated, other=0.0)
+    new_first = (first * cos_first).to(dtype) + (-second * sin_first).to(dtype)
+    new_second = (second * cos_second).to(dtype) + (first * sin_second).to(dtype)
+    tl.store(out_ptr + first_rows, tl.where(rotated, new_first.to(dtype), first), mask=in_rows)
+    tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second.to(dtype), second), mask=in_rows)
+
+
 _CONFIGS = [
     triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
     # The best of a wide sweep on the H200, for every Llama-3-8B shape.
     for block_n, block_k, warps in [(1, 4096, 8), (1, 2048, 4), (2, 2048, 8), (2, 1024, 4)]
 ]
 _tuned_gemv_kernel = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_gemv_kernel)
+_tuned_silu_and_mul_kernel = triton.autotune(configs=_CONFIGS, key=["WIDTH", "K"])(_gemv_silu_and_mul_kernel)
+_tuned_rotary_kernel = triton.autotune(configs=_CONFIGS, key=["PAIRS", "K"])(_gemv_rotary_kernel)
 
 
 def gemv(
@@ -64,9 +157,7 @@ def gemv(
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N]. The launch configuration is autotuned
     per shape unless given (tests, sweeps)."""
-    n, k = weight.shape
-    if x.shape != (1, k) or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes x [1, {k}] and a row-major weight; got x {tuple(x.shape)}")
+    n, k = _check_operands(x, weight)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     x = x.contiguous()
     # Without a bias the kernel never reads its bias pointer; `out` stands in for it.
@@ -77,6 +168,57 @@ def gemv(
         grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]),)
         _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, **config.all_kwargs())
     return out
+
+
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: triton.Config | None = None) -> torch.Tensor:
+    """silu(gate) * up for x [1, K] and weight [2 * width, K] stacking the gate rows, then the
+    up rows -> [1, width]."""
+    rows, k = _check_operands(x, weight)
+    if rows % 2:
+        raise ValueError(f"gemv_silu_and_mul takes gate and up rows stacked; got {rows} rows")
+    width = rows // 2
+    out = torch.empty((1, width), dtype=x.dtype, device=x.device)
+    args = (x.contiguous(), weight, out, width, k, weight.stride(0))
+    if config is None:
+        _tuned_silu_and_mul_kernel[lambda meta: (triton.cdiv(width, meta["BLOCK_N"]),)](*args)
+    else:
+        _gemv_silu_and_mul_kernel[(triton.cdiv(width, config.kwargs["BLOCK_N"]),)](*args, **config.all_kwargs())
+    return out
+
+
+def gemv_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated_heads: int,
+    head_dim: int,
+    config: triton.Config | None = None,
+) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N], whose first `rotated_heads` heads of
+    `head_dim` columns (a qkv projection's query and key heads) are rotated by cos and sin
+    [1, head_dim]."""
+    rows, k = _check_operands(x, weight)
+    if rows % head_dim or head_dim % 2 or cos.shape != (1, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"gemv_rotary takes heads of {head_dim} rows and cos/sin [1, {head_dim}]")
+    out = torch.empty((1, rows), dtype=x.dtype, device=x.device)
+    pairs = rows // 2
+    args = (x.contiguous(), weight, out if bias is None else bias, out, cos, sin, pairs, k, weight.stride(0))
+    constants = dict(ROTATED_ROWS=rotated_heads * head_dim, HALF=head_dim // 2, HAS_BIAS=bias is not None)
+    if config is None:
+        _tuned_rotary_kernel[lambda meta: (triton.cdiv(pairs, meta["BLOCK_N"]),)](*args, **constants)
+    else:
+        grid = (triton.cdiv(pairs, config.kwargs["BLOCK_N"]),)
+        _gemv_rotary_kernel[grid](*args, **constants, **config.all_kwargs())
+    return out
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    n, k = weight.shape
+    if x.shape != (1, k) or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes x [1, {k}] and a row-major weight; got x {tuple(x.shape)}")
+    return n, k
 
 
 _preference: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}

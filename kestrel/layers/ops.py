@@ -28,12 +28,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.shape[0] >= _ONEDNN_MIN_ROWS
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES:
+    if _takes_gemv(x, weight):
         from kestrel.layers import gemv
 
-        if gemv.prefers_gemv(x, weight):
-            return gemv.gemv(x, weight, bias)
+        return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(x @ weight.T) for a weight stacking the gate rows, then the up rows: one
+    kernel where a one-row linear takes the Triton matvec."""
+    if _takes_gemv(x, weight):
+        from kestrel.layers import gemv
+
+        return gemv.gemv_silu_and_mul(x, weight)
+    return silu_and_mul(linear(x, weight))
+
+
+def linear_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), then its first `rotated_heads` heads of `head_dim` columns (a
+    qkv projection's query and key heads) rotated by cos/sin [tokens, rotary_dim]: one kernel
+    where a one-row linear takes the Triton matvec and the rotary dim is the head's."""
+    if cos.shape[-1] == head_dim and _takes_gemv(x, weight):
+        from kestrel.layers import gemv
+
+        return gemv.gemv_rotary(x, weight, bias, cos, sin, rotated_heads, head_dim)
+    out = linear(x, weight, bias)
+    tokens, width = out.shape[0], rotated_heads * head_dim
+    rotated = rotary(out[:, :width].view(tokens, rotated_heads, head_dim), cos, sin)
+    if rotated.data_ptr() != out.data_ptr():  # rotated out of place (the CPU)
+        out[:, :width] = rotated.view(tokens, width)
+    return out
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES):
+        return False
+    from kestrel.layers import gemv
+
+    return gemv.prefers_gemv(x, weight)
 
 
 def rms_norm(

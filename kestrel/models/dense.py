@@ -72,19 +72,23 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         spec = self.layer_spec
         tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        query, key, value = self.qkv_proj.split(qkv)
-        value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
         cos, sin = rotary
         if self.q_norm is None:
-            # q and k sit side by side in each row of qkv: one rotary pass (one launch) for both.
+            # q and k sit side by side in each row of qkv: one rotary pass for both, inside
+            # the projection's own kernel where it can be.
             heads = spec.num_heads + spec.num_kv_heads
-            query_and_key = apply_rotary(qkv[:, : heads * spec.head_dim].view(tokens, heads, spec.head_dim), cos, sin)
-            query, key = query_and_key.split([spec.num_heads, spec.num_kv_heads], dim=1)
+            weight, bias = self.qkv_proj.weight, self.qkv_proj.bias
+            qkv = ops.linear_rotary(hidden, weight, bias, cos, sin, heads, spec.head_dim)
+            query, key, value = self.qkv_proj.split(qkv)
+            query = query.view(tokens, spec.num_heads, spec.head_dim)
+            key = key.view(tokens, spec.num_kv_heads, spec.head_dim)
         else:
+            qkv = self.qkv_proj(hidden)
+            query, key, value = self.qkv_proj.split(qkv)
             query = self.q_norm(query.view(tokens, spec.num_heads, spec.head_dim))
             key = self.k_norm(key.view(tokens, spec.num_kv_heads, spec.head_dim))
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
         attended = context.attend(self.layer_index, query, key, value, spec)
         return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))
 
@@ -102,9 +106,9 @@ class DecoderMLP(nn.Module):
         self.fused_silu = spec.hidden_act == "silu"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(hidden)
         if self.fused_silu:
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.down_proj(ops.linear_silu_and_mul(hidden, self.gate_up_proj.weight))
+        gate_up = self.gate_up_proj(hidden)
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate.contiguous()).mul_(up))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 
-from kestrel.layers import gemv, ops
+from kestrel.layers import fused, gemv, ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter runs float32 on the CPU; a GPU checks the half types the kernel serves.
@@ -29,6 +29,55 @@ def test_gemv_matches_torch_on_ragged_shapes(dtype, n, k, block_n, block_k):
     torch.testing.assert_close(with_bias.float(), (expected + bias).float(), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("width", "k", "block_n", "block_k"), [(40, 96, 16, 64), (37, 100, 8, 32)])
+def test_gemv_silu_and_mul_is_the_linear_then_the_activation(dtype, width, k, block_n, block_k):
+    torch.manual_seed(width + k)
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    weight = torch.randn(2 * width, k, device=DEVICE).to(dtype)
+    config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k})
+    got = gemv.gemv_silu_and_mul(x, weight, config=config)
+    assert got.shape == (1, width) and got.dtype == dtype
+    # The same bits as the two kernels it replaces, run with the same launch...
+    assert torch.equal(got, fused.silu_and_mul(gemv.gemv(x, weight, config=config)))
+    # ...and torch's result, to rounding.
+    gate, up = (x.float() @ weight.float().T).chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), torch.nn.functional.silu(gate) * up, atol=5e-2, rtol=2e-2)
+
+
+def test_gemv_silu_and_mul_needs_gate_and_up_rows():
+    with pytest.raises(ValueError, match="gate and up rows stacked; got 5 rows"):
+        gemv.gemv_silu_and_mul(torch.zeros(1, 8, device=DEVICE), torch.zeros(5, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("block_n", "block_k"), [(16, 64), (8, 32)])
+def test_gemv_rotary_is_the_linear_then_the_rotary_of_its_query_and_key_heads(dtype, with_bias, block_n, block_k):
+    torch.manual_seed(block_n)
+    head_dim, rotated_heads, heads, k = 16, 3, 4, 72  # 2 query + 1 key head rotated; 1 value head
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    weight = torch.randn(heads * head_dim, k, device=DEVICE).to(dtype)
+    bias = torch.randn(heads * head_dim, device=DEVICE).to(dtype) if with_bias else None
+    angles = torch.rand(1, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k})
+    got = gemv.gemv_rotary(x, weight, bias, cos, sin, rotated_heads, head_dim, config=config)
+    assert got.shape == (1, heads * head_dim) and got.dtype == dtype
+    # The same bits as the two kernels it replaces, run with the same launch...
+    separate = gemv.gemv(x, weight, bias, config=config)
+    rotated_width = rotated_heads * head_dim
+    fused.rotary_(separate[:, :rotated_width].view(1, rotated_heads, head_dim), cos, sin)
+    assert torch.equal(got, separate)
+    # ...and torch's result, to rounding: rotated query and key heads, the value head as is.
+    plain = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+    heads_view = plain.view(heads, head_dim)
+    first, second = heads_view.chunk(2, dim=-1)
+    turned = heads_view * cos.float() + torch.cat((-second, first), dim=-1) * sin.float()
+    expected = torch.cat((turned[:rotated_heads], heads_view[rotated_heads:])).view(1, -1)
+    torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=2e-2)
+
+
 def test_gemv_refuses_more_than_one_row():
     with pytest.raises(ValueError, match="gemv takes x"):
         gemv.gemv(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
@@ -43,6 +92,28 @@ def test_one_row_linear_picks_the_faster_path_and_matches_torch():
     key = (4096, 4096, torch.bfloat16, weight.device)
     assert key in gemv._preference  # measured once, then kept
     torch.testing.assert_close(got.float(), (x.float() @ weight.float().T), atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the one-row matvec serves CUDA half types")
+def test_one_row_gated_linear_matches_the_linear_then_the_activation():
+    torch.manual_seed(0)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2 * 1024, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    got = ops.linear_silu_and_mul(x, weight)
+    torch.testing.assert_close(got, ops.silu_and_mul(ops.linear(x, weight)), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the one-row matvec serves CUDA half types")
+def test_one_row_linear_rotary_matches_the_linear_then_the_rotary():
+    torch.manual_seed(0)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(6 * 128, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    angles = torch.rand(1, 64, device="cuda").repeat(1, 2) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    got = ops.linear_rotary(x, weight, None, cos, sin, 5, 128)
+    expected = ops.linear(x, weight)
+    ops.rotary(expected[:, : 5 * 128].view(1, 5, 128), cos, sin)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=1e-2)
 
 
 def test_timing_rotates_over_copies_that_outgrow_the_cache_unless_the_weight_already_does():
