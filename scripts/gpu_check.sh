@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything to check on a GPU machine, in phases that each fit one 10-minute call:
 #   bash scripts/gpu_check.sh tests       # the CUDA tests (compiled kernels, HF parity, no syncs in launch)
-#   bash scripts/gpu_check.sh latency     # matvec vs cuBLAS, batch-1 latency, decode profile
+#   bash scripts/gpu_check.sh gemv        # the one-row matvec vs cuBLAS per weight shape
+#   bash scripts/gpu_check.sh latency     # batch-1 latency (dependent launch off, then on), decode profile
 #   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
 #   bash scripts/gpu_check.sh attention   # decode attention over bf16 vs float8 pools, 256 x 1500 and batch 1
 #   bash scripts/gpu_check.sh fp8         # decode attention sweep; 1000 x 1000/1000 with a float8 pool
@@ -26,8 +27,13 @@ for phase in "${@:-tests}"; do
         python3 -m pytest -q -p no:cacheprovider tests/core tests/layers tests/test_hf_parity.py \
             tests/engine/test_async_scheduling.py 2>&1 | tee "$out/tests.log" | tail -n 30
         ;;
-    latency)
+    gemv)
         python3 scripts/gemv_bench.py 2>&1 | tee "$out/gemv.log"
+        ;;
+    latency)  # with dependent launch off, then on (the default) beside HF
+        KESTREL_DEPENDENT_LAUNCH=0 python3 -m kestrel bench latency $B --input-len 128 --output-len 256 \
+            --no-hf-baseline --output-json "$out/latency_independent.json" 2>&1 |
+            tee "$out/latency_independent.log" | tail -n 8
         python3 -m kestrel bench latency $B --input-len 128 --output-len 256 \
             --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log" | tail -n 25
         python3 scripts/profile_decode.py --out "$out/profile" 2>&1 | tail -n 20
@@ -51,7 +57,7 @@ for phase in "${@:-tests}"; do
         throughput 2048 2048
         ;;
     *)
-        echo "unknown phase $phase (tests, latency, throughput, attention, fp8, long)" >&2
+        echo "unknown phase $phase (tests, gemv, latency, throughput, attention, fp8, long)" >&2
         exit 2
         ;;
     esac

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -28,12 +30,15 @@ def _rms_norm_kernel(
     num_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    DEPENDENT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     in_row = cols < num_cols
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)  # no kernel writes it
+    wait_for_inputs(DEPENDENT)
     x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + cols, mask=in_row, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r_row + cols, mask=in_row, other=0.0)
@@ -42,7 +47,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / num_cols + eps)
     normed = (x32 * inverse_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + row * stride_o_row + head * stride_o_head + cols,
         (weight * normed).to(out_ptr.dtype.element_ty),
@@ -78,6 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(dim),
+        **dependent_launch_args(x.device),
     )
     return (out, residual_out) if residual is not None else out
 

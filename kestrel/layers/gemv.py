@@ -24,7 +24,49 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+
 TIMING_REPEATS = 20
+
+
+@triton.jit
+def _row_dots(
+    x_ptr,
+    w_ptr,
+    rows,
+    in_rows,
+    K,
+    stride_w,
+    pair_offset,
+    PAIRED: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Float32 dots of x [K] with the weight rows `rows` and, PAIRED, with the rows
+    `pair_offset` further on. Each block of weights is requested a step ahead, the first
+    before waiting for x (which the kernel before this one wrote: dependent_launch)."""
+    cols = tl.arange(0, BLOCK_K)
+    row_starts = w_ptr + rows[:, None] * stride_w
+    mask = in_rows[:, None] & (cols < K)[None, :]
+    weights = tl.load(row_starts + cols[None, :], mask=mask, other=0.0)
+    paired_weights = weights
+    if PAIRED:
+        paired_weights = tl.load(row_starts + pair_offset * stride_w + cols[None, :], mask=mask, other=0.0)
+    wait_for_inputs(DEPENDENT)
+    dots = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    paired_dots = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+        dots += tl.sum(weights.to(tl.float32) * x[None, :], axis=1)
+        if PAIRED:
+            paired_dots += tl.sum(paired_weights.to(tl.float32) * x[None, :], axis=1)
+        next_cols = start + BLOCK_K + cols
+        mask = in_rows[:, None] & (next_cols < K)[None, :]
+        weights = tl.load(row_starts + next_cols[None, :], mask=mask, other=0.0)
+        if PAIRED:
+            paired_weights = tl.load(row_starts + pair_offset * stride_w + next_cols[None, :], mask=mask, other=0.0)
+    return dots, paired_dots
 
 
 @triton.jit
@@ -37,21 +79,14 @@ def _gemv_kernel(
     K,
     stride_w,
     HAS_BIAS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[n] = sum_k w[n, k] * x[k] (+ bias[n]), float32 accumulation, for BLOCK_N rows per program."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        in_cols = cols < K
-        x = tl.load(x_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
-        w = tl.load(
-            w_ptr + rows[:, None] * stride_w + cols[None, :], mask=in_rows[:, None] & in_cols[None, :], other=0.0
-        )
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    acc, _ = _row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
@@ -65,24 +100,14 @@ def _gemv_silu_and_mul_kernel(
     WIDTH,
     K,
     stride_w,
+    DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[n] = silu(gate[n]) * up[n], where gate = w[:WIDTH] @ x and up = w[WIDTH:] @ x."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < WIDTH
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        in_cols = cols < K
-        x = tl.load(x_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
-        mask = in_rows[:, None] & in_cols[None, :]
-        gate_rows = w_ptr + rows[:, None] * stride_w + cols[None, :]
-        gate_w = tl.load(gate_rows, mask=mask, other=0.0)
-        up_w = tl.load(gate_rows + WIDTH * stride_w, mask=mask, other=0.0)
-        gate += tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1)
-        up += tl.sum(up_w.to(tl.float32) * x[None, :], axis=1)
+    gate, up = _row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, WIDTH, True, DEPENDENT, BLOCK_N, BLOCK_K)
     # Rounded where the separate linear and activation round, so both paths give the same bits.
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -105,6 +130,7 @@ def _gemv_rotary_kernel(
     ROTATED_ROWS,
     HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -114,16 +140,7 @@ def _gemv_rotary_kernel(
     in_rows = pairs < PAIRS
     half = pairs % HALF
     first_rows = pairs // HALF * (2 * HALF) + half
-    first = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    second = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        in_cols = cols < K
-        x = tl.load(x_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
-        mask = in_rows[:, None] & in_cols[None, :]
-        first_w = w_ptr + first_rows[:, None] * stride_w + cols[None, :]
-        first += tl.sum(tl.load(first_w, mask=mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
-        second += tl.sum(tl.load(first_w + HALF * stride_w, mask=mask, other=0.0).to(tl.float32) * x[None, :], axis=1)
+    first, second = _row_dots(x_ptr, w_ptr, first_rows, in_rows, K, stride_w, HALF, True, DEPENDENT, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         first += tl.load(bias_ptr + first_rows, mask=in_rows, other=0.0).to(tl.float32)
         second += tl.load(bias_ptr + first_rows + HALF, mask=in_rows, other=0.0).to(tl.float32)
@@ -162,11 +179,7 @@ def gemv(
     x = x.contiguous()
     # Without a bias the kernel never reads its bias pointer; `out` stands in for it.
     args = (x, weight, out if bias is None else bias, out, n, k, weight.stride(0))
-    if config is None:
-        _tuned_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None)
-    else:
-        grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]),)
-        _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, **config.all_kwargs())
+    _launch(_gemv_kernel, _tuned_gemv_kernel, n, config, args, HAS_BIAS=bias is not None)
     return out
 
 
@@ -179,10 +192,7 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: triton.Conf
     width = rows // 2
     out = torch.empty((1, width), dtype=x.dtype, device=x.device)
     args = (x.contiguous(), weight, out, width, k, weight.stride(0))
-    if config is None:
-        _tuned_silu_and_mul_kernel[lambda meta: (triton.cdiv(width, meta["BLOCK_N"]),)](*args)
-    else:
-        _gemv_silu_and_mul_kernel[(triton.cdiv(width, config.kwargs["BLOCK_N"]),)](*args, **config.all_kwargs())
+    _launch(_gemv_silu_and_mul_kernel, _tuned_silu_and_mul_kernel, width, config, args)
     return out
 
 
@@ -206,12 +216,18 @@ def gemv_rotary(
     pairs = rows // 2
     args = (x.contiguous(), weight, out if bias is None else bias, out, cos, sin, pairs, k, weight.stride(0))
     constants = dict(ROTATED_ROWS=rotated_heads * head_dim, HALF=head_dim // 2, HAS_BIAS=bias is not None)
-    if config is None:
-        _tuned_rotary_kernel[lambda meta: (triton.cdiv(pairs, meta["BLOCK_N"]),)](*args, **constants)
-    else:
-        grid = (triton.cdiv(pairs, config.kwargs["BLOCK_N"]),)
-        _gemv_rotary_kernel[grid](*args, **constants, **config.all_kwargs())
+    _launch(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
     return out
+
+
+def _launch(kernel, tuned_kernel, units: int, config: triton.Config | None, args: tuple, **constants) -> None:
+    """`units` outputs (rows, or row pairs), BLOCK_N per program: the autotuned kernel, or the
+    plain one with `config`. Launched as dependent where the GPU allows (dependent_launch)."""
+    constants.update(dependent_launch_args(args[0].device))
+    if config is None:
+        tuned_kernel[lambda meta: (triton.cdiv(units, meta["BLOCK_N"]),)](*args, **constants)
+    else:
+        kernel[(triton.cdiv(units, config.kwargs["BLOCK_N"]),)](*args, **constants, **config.all_kwargs())
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:

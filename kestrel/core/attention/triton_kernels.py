@@ -8,7 +8,8 @@
   programs (flash-decoding) and `combine_splits_kernel` merges their partial softmaxes.
 - `prefill_kernel`: one program per (sequence, query head, block of query rows); walks the
   sequence's pages (cached prefix and new tokens alike) with causal and window masks.
-Both attention kernels use an online softmax (FlashAttention-style) in float32.
+Both attention kernels use an online softmax (FlashAttention-style) in float32. The store
+and decode kernels may be launched as dependent (core/runtime/dependent_launch.py).
 
 The pool may hold a narrower dtype than the model (float8 e4m3): keys and values are cast on
 the way in and widened as they are read. A half-precision model then takes its dots in
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kestrel.core.runtime.dependent_launch import wait_for_inputs
 
 
 @triton.jit
@@ -39,7 +42,9 @@ def store_kv_kernel(
     stride_cache_slot,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    wait_for_inputs(DEPENDENT)
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token)
@@ -138,7 +143,9 @@ def decode_kernel(
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,9 +224,11 @@ def combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One program per (sequence, query head): the splits' outputs weighted by their share
     of the softmax mass (exp of each split's log-sum-exp)."""
+    wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)

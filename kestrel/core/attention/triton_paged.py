@@ -16,6 +16,7 @@ from kestrel.core.attention.triton_kernels import (
     store_kv_kernel,
 )
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
+from kestrel.core.runtime.dependent_launch import dependent_launch_args
 from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
 
 PREFILL_BLOCK_M = 64
@@ -87,6 +88,7 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
         cache.key.stride(2),
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
+        **dependent_launch_args(key.device),
     )
 
 
@@ -132,6 +134,7 @@ def decode_attention(
         PRECISION=_precision(query),
         SPLIT=splits > 1,
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
+        **dependent_launch_args(query.device),
     )
     constants.update(launch)
     decode_kernel[(meta.num_seqs, layer.num_kv_heads, splits)](
@@ -167,6 +170,7 @@ def decode_attention(
             HEAD_DIM=layer.head_dim,
             BLOCK_D=_block_d(layer.head_dim),
             SPLITS_PAD=triton.next_power_of_2(splits),
+            **dependent_launch_args(query.device),
         )
 
 

@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (Hopper and later GPUs).
+
+At batch 1 a decode step is a chain of some three hundred small kernels, and each one's
+start-up and last wave leave the GPU partly idle. Launched as dependent, a kernel may start
+as soon as every program of the kernel before it has started: it fetches what does not
+depend on that kernel (a matvec's weights) and then waits for it (`wait_for_inputs`). The
+wait is what keeps this correct, so a kernel launched so must call it before it reads
+anything an earlier kernel wrote, and before it writes anything, on every path.
+
+`KESTREL_DEPENDENT_LAUNCH=0` turns it off (to measure it, or to rule it out).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_SWITCH = "KESTREL_DEPENDENT_LAUNCH"
+
+
+@functools.cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched as dependent (CUDA, compute capability 9+)."""
+    if device.type != "cuda" or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def dependent_launch_args(device: torch.device) -> dict[str, bool]:
+    """A kernel's launch arguments for this: its DEPENDENT switch and Triton's launch flag."""
+    dependent = dependent_launch(device)
+    return {"DEPENDENT": dependent, "launch_pdl": dependent}
+
+
+@triton.jit
+def wait_for_inputs(DEPENDENT: tl.constexpr):
+    """Let the next kernel start (it waits in its turn), then wait until the kernel before
+    this one has finished and its writes are visible. Nothing without DEPENDENT."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
