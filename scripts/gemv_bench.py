@@ -1,6 +1,8 @@
 """One-row linears on the GPU: cuBLAS against the Triton matvec (layers/gemv.py), per
 Llama-3-8B weight shape, as bytes read per second; which one `ops.linear` keeps; and, with
---sweep, the matvec's best launch configurations from a wide grid.
+--sweep, the matvec's best launch configurations from a wide grid. Then the fused matvecs
+(qkv with rotary, gate/up with SiLU-and-multiply) against the two kernels each replaces,
+with dependent launch on and off.
 
     python scripts/gemv_bench.py [--sweep]
 """
@@ -9,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 
 import torch
 import triton
 
-from kestrel.layers import gemv
+from kestrel.core.runtime import dependent_launch
+from kestrel.layers import fused, gemv
 
 SHAPES = {  # name: (out_features, in_features), Llama-3-8B
     "qkv_proj": (6144, 4096),
@@ -57,6 +61,42 @@ def main() -> None:
         )
         for rate, config in ranked[:5]:
             print(f"    {rate:.2f} TB/s  {config.kwargs} warps={config.num_warps} stages={config.num_stages}")
+    fused_matvecs()
+
+
+def fused_matvecs() -> None:
+    """TB/s of weight read by each fused matvec and by the pair of kernels it replaces."""
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(1, 64, device="cuda").repeat(1, 2)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+
+    def qkv_separate(x, w):
+        out = gemv.gemv(x, w)
+        return fused.rotary_(out[:, : 40 * 128].view(1, 40, 128), cos, sin)
+
+    cases = {
+        "qkv_proj": (
+            SHAPES["qkv_proj"],
+            lambda x, w: gemv.gemv_rotary(x, w, None, cos, sin, 40, 128),
+            qkv_separate,
+        ),
+        "gate_up_proj": (
+            SHAPES["gate_up_proj"],
+            gemv.gemv_silu_and_mul,
+            lambda x, w: fused.silu_and_mul(gemv.gemv(x, w)),
+        ),
+    }
+    print(f"{'fused matvec':<14}{'dependent':>10}{'fused TB/s':>12}{'separate TB/s':>15}")
+    for switch in ("1", "0"):
+        os.environ[dependent_launch.ENV_SWITCH] = switch
+        dependent_launch.dependent_launch.cache_clear()
+        for name, ((n, k), fused_matvec, separate) in cases.items():
+            weights = gemv._weights_beyond_cache(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64)
+            together = tera_bytes_per_s(x, weights, fused_matvec)
+            apart = tera_bytes_per_s(x, weights, separate)
+            print(f"{name:<14}{switch:>10}{together:>12.2f}{apart:>15.2f}")
+    os.environ.pop(dependent_launch.ENV_SWITCH)
+    dependent_launch.dependent_launch.cache_clear()
 
 
 if __name__ == "__main__":

@@ -61,8 +61,10 @@ def store_kv_kernel(
 @triton.jit
 def _dot_query(query, scale, DOTS_IN_FP16: tl.constexpr):
     """The query as the dots take it, and the scale still to apply to their scores."""
+    # One return: Triton requires every return of a function to give the same types.
     if DOTS_IN_FP16:
-        return (query.to(tl.float32) * scale).to(tl.float16), 1.0
+        query = (query.to(tl.float32) * scale).to(tl.float16)
+        scale = 1.0
     return query, scale
 
 
