@@ -1,0 +1,109 @@
+"""Every Triton kernel compiles for a Hopper GPU, here on the CPU.
+
+Triton's interpreter (which runs the kernels in CI) accepts code that the compiler refuses,
+such as a function whose returns give different types; compiling for sm_90 catches that
+without a GPU. Each case is a kernel with the constants of one real launch. The compiler
+needs the kernels as compiled functions, not as the interpreter's: one child process with the
+interpreter off compiles them all (`python -m tests.core.test_triton_compiles`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kestrel.core.attention import triton_kernels as attention
+from kestrel.layers import fused, gemv
+
+HOPPER = GPUTarget("cuda", 90, 32)
+BF16_ROW = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+ATTENTION = {"query_ptr": "*bf16", "out_ptr": "*bf16", "seq_lens_ptr": "*i32", "page_table_ptr": "*i32"}
+ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "fp32"}
+ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32"}
+FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
+BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
+DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32")
+
+CASES = {
+    "gemv": (gemv._gemv_kernel, BF16_ROW, dict(HAS_BIAS=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048)),
+    "gemv_silu_and_mul": (gemv._gemv_silu_and_mul_kernel, BF16_ROW, dict(DEPENDENT=True, BLOCK_N=1, BLOCK_K=4096)),
+    "gemv_rotary": (
+        gemv._gemv_rotary_kernel,
+        BF16_ROW | {"cos_ptr": "*bf16", "sin_ptr": "*bf16"},
+        dict(HALF=64, HAS_BIAS=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
+    ),
+    "rms_norm": (
+        fused._rms_norm_kernel,
+        BF16_ROW | {"residual_ptr": "*bf16", "weight_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"},
+        dict(HAS_RESIDUAL=True, DEPENDENT=True, BLOCK=4096),
+    ),
+    "store_kv_float8": (
+        attention.store_kv_kernel,
+        FLOAT8_POOL | {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64"},
+        dict(HEAD_DIM=128, BLOCK_D=128, DEPENDENT=True),
+    ),
+    "decode_float8": (
+        attention.decode_kernel,
+        ATTENTION | FLOAT8_POOL,
+        DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, DEPENDENT=True),
+    ),
+    "decode_split_bf16": (
+        attention.decode_kernel,
+        ATTENTION | BF16_POOL,
+        DECODE | dict(SPLIT=True, DOTS_IN_FP16=False, DEPENDENT=True),
+    ),
+    "combine_splits": (
+        attention.combine_splits_kernel,
+        ATTENTION,
+        dict(HEAD_DIM=128, BLOCK_D=128, SPLITS_PAD=16, DEPENDENT=True),
+    ),
+    "prefill_float8": (
+        attention.prefill_kernel,
+        ATTENTION | FLOAT8_POOL,
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, PAGE=16, BLOCK_N=64, PRECISION="tf32", DOTS_IN_FP16=True),
+    ),
+}
+
+
+def compile_for_hopper(name: str) -> str:
+    """The PTX of one case, or what the compiler said."""
+    kernel, pointer_types, constants = CASES[name]
+    params = list(inspect.signature(kernel.fn).parameters)
+    if not set(constants) <= set(params):
+        return f"unknown constants {set(constants) - set(params)}"
+    signature = {p: "constexpr" if p in constants else pointer_types.get(p, "i32") for p in params}
+    constexprs = {(params.index(k),): v for k, v in constants.items()}
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options={"num_warps": 4})
+    except Exception as error:  # reported by the test, per kernel
+        return f"{type(error).__name__}: {error}"
+    return compiled.asm["ptx"]
+
+
+@pytest.fixture(scope="module")
+def ptx_by_case() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = [sys.executable, "-m", "tests.core.test_triton_compiles"]
+    result = subprocess.run(child, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kernel_compiles_for_hopper(name, ptx_by_case):
+    ptx = ptx_by_case[name]
+    assert ".target sm_90" in ptx, ptx[-3000:]
+    # A kernel launched as dependent waits for the one before it (dependent_launch.py).
+    assert ("griddepcontrol.wait" in ptx) == CASES[name][2].get("DEPENDENT", False)
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: compile_for_hopper(name) for name in CASES}))
