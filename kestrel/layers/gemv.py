@@ -44,28 +44,31 @@ def _row_dots(
     BLOCK_K: tl.constexpr,
 ):
     """Float32 dots of x [K] with the weight rows `rows` and, PAIRED, with the rows
-    `pair_offset` further on. Each block of weights is requested a step ahead, the first
-    before waiting for x (which the kernel before this one wrote: dependent_launch)."""
+    `pair_offset` further on. The first block of weights is requested before waiting for x
+    (which the kernel before this one wrote: dependent_launch); the rest as they come."""
     cols = tl.arange(0, BLOCK_K)
-    row_starts = w_ptr + rows[:, None] * stride_w
+    first_rows = w_ptr + rows[:, None] * stride_w
+    paired_rows = first_rows + pair_offset * stride_w
     mask = in_rows[:, None] & (cols < K)[None, :]
-    weights = tl.load(row_starts + cols[None, :], mask=mask, other=0.0)
+    weights = tl.load(first_rows + cols[None, :], mask=mask, other=0.0)
     paired_weights = weights
     if PAIRED:
-        paired_weights = tl.load(row_starts + pair_offset * stride_w + cols[None, :], mask=mask, other=0.0)
+        paired_weights = tl.load(paired_rows + cols[None, :], mask=mask, other=0.0)
     wait_for_inputs(DEPENDENT)
-    dots = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    paired_dots = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    dots = tl.sum(weights.to(tl.float32) * x[None, :], axis=1)
+    paired_dots = dots
+    if PAIRED:
+        paired_dots = tl.sum(paired_weights.to(tl.float32) * x[None, :], axis=1)
+    for start in range(BLOCK_K, K, BLOCK_K):
+        block = start + cols
+        mask = in_rows[:, None] & (block < K)[None, :]
+        x = tl.load(x_ptr + block, mask=block < K, other=0.0).to(tl.float32)
+        weights = tl.load(first_rows + block[None, :], mask=mask, other=0.0)
         dots += tl.sum(weights.to(tl.float32) * x[None, :], axis=1)
         if PAIRED:
+            paired_weights = tl.load(paired_rows + block[None, :], mask=mask, other=0.0)
             paired_dots += tl.sum(paired_weights.to(tl.float32) * x[None, :], axis=1)
-        next_cols = start + BLOCK_K + cols
-        mask = in_rows[:, None] & (next_cols < K)[None, :]
-        weights = tl.load(row_starts + next_cols[None, :], mask=mask, other=0.0)
-        if PAIRED:
-            paired_weights = tl.load(row_starts + pair_offset * stride_w + next_cols[None, :], mask=mask, other=0.0)
     return dots, paired_dots
 
 
