@@ -17,7 +17,7 @@ import torch
 import triton
 
 from kestrel.core.runtime import dependent_launch
-from kestrel.layers import fused, gemv
+from kestrel.layers import fused, gemv, ops
 
 SHAPES = {  # name: (out_features, in_features), Llama-3-8B
     "qkv_proj": (6144, 4096),
@@ -77,7 +77,7 @@ def fused_matvecs() -> None:
     cases = {
         "qkv_proj": (
             SHAPES["qkv_proj"],
-            lambda x, w: gemv.gemv_rotary(x, w, None, cos, sin, 40, 128),
+            lambda x, w: gemv.gemv_rotary(x, w, None, ops.HeadRotation(cos, sin, 40, 128)),
             qkv_separate,
         ),
         "gate_up_proj": (

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+from kestrel.layers.ops import HeadRotation
 
 TIMING_REPEATS = 20
 
@@ -203,22 +204,19 @@ def gemv_rotary(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotated_heads: int,
-    head_dim: int,
+    rotation: HeadRotation,
     config: triton.Config | None = None,
 ) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N], whose first `rotated_heads` heads of
-    `head_dim` columns (a qkv projection's query and key heads) are rotated by cos and sin
-    [1, head_dim]."""
+    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N], with `rotation` (cos and sin [1, head_dim])
+    applied to its first heads."""
+    head_dim, cos, sin = rotation.head_dim, rotation.cos, rotation.sin
     rows, k = _check_operands(x, weight)
     if rows % head_dim or head_dim % 2 or cos.shape != (1, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"gemv_rotary takes heads of {head_dim} rows and cos/sin [1, {head_dim}]")
     out = torch.empty((1, rows), dtype=x.dtype, device=x.device)
     pairs = rows // 2
     args = (x.contiguous(), weight, out if bias is None else bias, out, cos, sin, pairs, k, weight.stride(0))
-    constants = dict(ROTATED_ROWS=rotated_heads * head_dim, HALF=head_dim // 2, HAS_BIAS=bias is not None)
+    constants = dict(ROTATED_ROWS=rotation.heads * head_dim, HALF=head_dim // 2, HAS_BIAS=bias is not None)
     _launch(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
     return out
 

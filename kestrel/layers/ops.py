@@ -6,6 +6,8 @@ The one place that chooses between them, by the tensor's device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -45,25 +47,30 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(linear(x, weight))
 
 
+@dataclass(frozen=True)
+class HeadRotation:
+    """The rotary embedding of a projection's first `heads` heads of `head_dim` columns (a
+    qkv projection's query and key heads): cos and sin [tokens, rotary_dim]."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    heads: int
+    head_dim: int
+
+
 def linear_rotary(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotated_heads: int,
-    head_dim: int,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rotation: HeadRotation
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias), then its first `rotated_heads` heads of `head_dim` columns (a
-    qkv projection's query and key heads) rotated by cos/sin [tokens, rotary_dim]: one kernel
-    where a one-row linear takes the Triton matvec and the rotary dim is the head's."""
-    if cos.shape[-1] == head_dim and _takes_gemv(x, weight):
+    """x @ weight.T (+ bias) with `rotation` applied: one kernel where a one-row linear takes
+    the Triton matvec and the rotary dim is the head's."""
+    if rotation.cos.shape[-1] == rotation.head_dim and _takes_gemv(x, weight):
         from kestrel.layers import gemv
 
-        return gemv.gemv_rotary(x, weight, bias, cos, sin, rotated_heads, head_dim)
+        return gemv.gemv_rotary(x, weight, bias, rotation)
     out = linear(x, weight, bias)
-    tokens, width = out.shape[0], rotated_heads * head_dim
-    rotated = rotary(out[:, :width].view(tokens, rotated_heads, head_dim), cos, sin)
+    tokens, width = out.shape[0], rotation.heads * rotation.head_dim
+    heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
+    rotated = rotary(heads, rotation.cos, rotation.sin)
     if rotated.data_ptr() != out.data_ptr():  # rotated out of place (the CPU)
         out[:, :width] = rotated.view(tokens, width)
     return out

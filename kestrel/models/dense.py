@@ -76,9 +76,8 @@ class DecoderAttention(nn.Module):
         if self.q_norm is None:
             # q and k sit side by side in each row of qkv: one rotary pass for both, inside
             # the projection's own kernel where it can be.
-            heads = spec.num_heads + spec.num_kv_heads
-            weight, bias = self.qkv_proj.weight, self.qkv_proj.bias
-            qkv = ops.linear_rotary(hidden, weight, bias, cos, sin, heads, spec.head_dim)
+            rotation = ops.HeadRotation(cos, sin, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+            qkv = ops.linear_rotary(hidden, self.qkv_proj.weight, self.qkv_proj.bias, rotation)
             query, key, value = self.qkv_proj.split(qkv)
             query = query.view(tokens, spec.num_heads, spec.head_dim)
             key = key.view(tokens, spec.num_kv_heads, spec.head_dim)

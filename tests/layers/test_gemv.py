@@ -62,7 +62,8 @@ def test_gemv_rotary_is_the_linear_then_the_rotary_of_its_query_and_key_heads(dt
     angles = torch.rand(1, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k})
-    got = gemv.gemv_rotary(x, weight, bias, cos, sin, rotated_heads, head_dim, config=config)
+    rotation = ops.HeadRotation(cos, sin, rotated_heads, head_dim)
+    got = gemv.gemv_rotary(x, weight, bias, rotation, config=config)
     assert got.shape == (1, heads * head_dim) and got.dtype == dtype
     # The same bits as the two kernels it replaces, run with the same launch...
     separate = gemv.gemv(x, weight, bias, config=config)
@@ -110,7 +111,7 @@ def test_one_row_linear_rotary_matches_the_linear_then_the_rotary():
     weight = torch.randn(6 * 128, 4096, device="cuda", dtype=torch.bfloat16) / 64
     angles = torch.rand(1, 64, device="cuda").repeat(1, 2) * 6
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    got = ops.linear_rotary(x, weight, None, cos, sin, 5, 128)
+    got = ops.linear_rotary(x, weight, None, ops.HeadRotation(cos, sin, 5, 128))
     expected = ops.linear(x, weight)
     ops.rotary(expected[:, : 5 * 128].view(1, 5, 128), cos, sin)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=1e-2)
