@@ -24,6 +24,8 @@ from kestrel.core.attention import triton_kernels as attention
 from kestrel.layers import fused, gemv
 
 HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_SHARED_MEMORY = 227 * 1024  # per program, at most
+LAUNCH_OPTIONS = {"num_warps": 4, "num_stages": 2}
 BF16_ROW = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
 ATTENTION = {"query_ptr": "*bf16", "out_ptr": "*bf16", "seq_lens_ptr": "*i32", "page_table_ptr": "*i32"}
 ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "fp32"}
@@ -60,6 +62,12 @@ CASES = {
         ATTENTION | BF16_POOL,
         DECODE | dict(SPLIT=True, DOTS_IN_FP16=False, DEPENDENT=True),
     ),
+    # decode_launch's large-batch setting, with the widest pool it may read (float32).
+    "decode_large_batch_float32": (
+        attention.decode_kernel,
+        ATTENTION | {"query_ptr": "*fp32", "key_cache_ptr": "*fp32", "value_cache_ptr": "*fp32"},
+        DECODE | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, DEPENDENT=True),
+    ),
     "combine_splits": (
         attention.combine_splits_kernel,
         ATTENTION,
@@ -73,23 +81,23 @@ CASES = {
 }
 
 
-def compile_for_hopper(name: str) -> str:
-    """The PTX of one case, or what the compiler said."""
+def compile_for_hopper(name: str) -> dict[str, str | int]:
+    """The PTX and shared memory of one case, or what the compiler said."""
     kernel, pointer_types, constants = CASES[name]
     params = list(inspect.signature(kernel.fn).parameters)
     if not set(constants) <= set(params):
-        return f"unknown constants {set(constants) - set(params)}"
+        return {"ptx": f"unknown constants {set(constants) - set(params)}", "shared": 0}
     signature = {p: "constexpr" if p in constants else pointer_types.get(p, "i32") for p in params}
     constexprs = {(params.index(k),): v for k, v in constants.items()}
     try:
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options={"num_warps": 4})
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=LAUNCH_OPTIONS)
     except Exception as error:  # reported by the test, per kernel
-        return f"{type(error).__name__}: {error}"
-    return compiled.asm["ptx"]
+        return {"ptx": f"{type(error).__name__}: {error}", "shared": 0}
+    return {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
 
 
 @pytest.fixture(scope="module")
-def ptx_by_case() -> dict[str, str]:
+def compiled_cases() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child = [sys.executable, "-m", "tests.core.test_triton_compiles"]
     result = subprocess.run(child, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -98,9 +106,10 @@ def ptx_by_case() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_kernel_compiles_for_hopper(name, ptx_by_case):
-    ptx = ptx_by_case[name]
+def test_kernel_compiles_for_hopper(name, compiled_cases):
+    ptx, shared = compiled_cases[name]["ptx"], compiled_cases[name]["shared"]
     assert ".target sm_90" in ptx, ptx[-3000:]
+    assert shared <= HOPPER_SHARED_MEMORY
     # A kernel launched as dependent waits for the one before it (dependent_launch.py).
     assert ("griddepcontrol.wait" in ptx) == CASES[name][2].get("DEPENDENT", False)
 
