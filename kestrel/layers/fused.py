@@ -110,6 +110,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def rotate_half_pair(first, second, cos_row_ptr, sin_row_ptr, cols, mask, HALF: tl.constexpr):
+    """The columns `cols` of a head's two halves, rotated by one row of cos and sin:
+    x * cos + rotate_half(x) * sin, rounding each product and the sum as torch does."""
+    dtype = first.dtype
+    cos_first = tl.load(cos_row_ptr + cols, mask=mask, other=0.0)
+    cos_second = tl.load(cos_row_ptr + HALF + cols, mask=mask, other=0.0)
+    sin_first = tl.load(sin_row_ptr + cols, mask=mask, other=0.0)
+    sin_second = tl.load(sin_row_ptr + HALF + cols, mask=mask, other=0.0)
+    new_first = (first * cos_first).to(dtype) + (-second * sin_first).to(dtype)
+    new_second = (second * cos_second).to(dtype) + (first * sin_second).to(dtype)
+    return new_first.to(dtype), new_second.to(dtype)
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,
     cos_ptr,
@@ -127,16 +141,10 @@ def _rotary_kernel(
     base = x_ptr + token * stride_x_token + head * stride_x_head
     first = tl.load(base + cols, mask=inside, other=0.0)
     second = tl.load(base + HALF + cols, mask=inside, other=0.0)
-    dtype = first.dtype
-    cos_first = tl.load(cos_ptr + token * stride_cos + cols, mask=inside, other=0.0)
-    cos_second = tl.load(cos_ptr + token * stride_cos + HALF + cols, mask=inside, other=0.0)
-    sin_first = tl.load(sin_ptr + token * stride_cos + cols, mask=inside, other=0.0)
-    sin_second = tl.load(sin_ptr + token * stride_cos + HALF + cols, mask=inside, other=0.0)
-    # x * cos + rotate_half(x) * sin, rounding each product and the sum as torch does.
-    new_first = (first * cos_first).to(dtype) + (-second * sin_first).to(dtype)
-    new_second = (second * cos_second).to(dtype) + (first * sin_second).to(dtype)
-    tl.store(base + cols, new_first.to(dtype), mask=inside)
-    tl.store(base + HALF + cols, new_second.to(dtype), mask=inside)
+    cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
+    first, second = rotate_half_pair(first, second, cos_row, sin_row, cols, inside, HALF)
+    tl.store(base + cols, first, mask=inside)
+    tl.store(base + HALF + cols, second, mask=inside)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

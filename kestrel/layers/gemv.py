@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+from kestrel.layers.fused import rotate_half_pair
 from kestrel.layers.ops import HeadRotation
 
 TIMING_REPEATS = 20
@@ -149,18 +150,12 @@ def _gemv_rotary_kernel(
         first += tl.load(bias_ptr + first_rows, mask=in_rows, other=0.0).to(tl.float32)
         second += tl.load(bias_ptr + first_rows + HALF, mask=in_rows, other=0.0).to(tl.float32)
     # Rounded where the linear and the rotary kernel round (fused.rotary_), for the same bits.
-    dtype = out_ptr.dtype.element_ty
-    first = first.to(dtype)
-    second = second.to(dtype)
+    first = first.to(out_ptr.dtype.element_ty)
+    second = second.to(out_ptr.dtype.element_ty)
     rotated = in_rows & (first_rows < ROTATED_ROWS)
-    cos_first = tl.load(cos_ptr + half, mask=rotated, other=1.0)
-    cos_second = tl.load(cos_ptr + HALF + half, mask=rotated, other=1.0)
-    sin_first = tl.load(sin_ptr + half, mask=rotated, other=0.0)
-    sin_second = tl.load(sin_ptr + HALF + half, mask=rotated, other=0.0)
-    new_first = (first * cos_first).to(dtype) + (-second * sin_first).to(dtype)
-    new_second = (second * cos_second).to(dtype) + (first * sin_second).to(dtype)
-    tl.store(out_ptr + first_rows, tl.where(rotated, new_first.to(dtype), first), mask=in_rows)
-    tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second.to(dtype), second), mask=in_rows)
+    new_first, new_second = rotate_half_pair(first, second, cos_ptr, sin_ptr, half, rotated, HALF)
+    tl.store(out_ptr + first_rows, tl.where(rotated, new_first, first), mask=in_rows)
+    tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second, second), mask=in_rows)
 
 
 _CONFIGS = [
