@@ -4,8 +4,7 @@ a sweep of warps, pipeline stages, key blocks and key splits.
 
     python scripts/attention_bench.py [--batch 256] [--context 1500] [--quick]
 
-`--quick` times only the default launch and float8 widened as loaded (WIDEN_AT_LOAD), with
-the default key splits.
+`--quick` times only the default launch, with the default key splits.
 """
 
 from __future__ import annotations
@@ -44,16 +43,11 @@ def main() -> None:
     query = torch.randn(args.batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     output = torch.empty_like(query)
     launches = [{}] + [
-        {"num_warps": w, "num_stages": s, "BLOCK_N": n, "WIDEN_AT_LOAD": at_load}
-        for w in (4, 8)
-        for s in (1, 2)
-        for n in (32, 64, 128)
-        for at_load in (False, True)
+        {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (4, 8) for s in (1, 2) for n in (32, 64, 128)
     ]
     splits_tried = (None, 1, 2, 4)  # None: the default for the batch
     if args.quick:
-        launches = [{}, {"WIDEN_AT_LOAD": True}, {"WIDEN_AT_LOAD": True, "BLOCK_N": 64, "num_stages": 3}]
-        splits_tried = (None,)
+        launches, splits_tried = [{}], (None,)
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         kv, meta = pool(dtype, args.batch, args.context)
         kv_bytes = 2 * args.batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()

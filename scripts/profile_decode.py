@@ -46,6 +46,33 @@ def kernel_table(graphs, size: int, path: Path) -> None:
     path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
 
 
+def replay_timeline(graphs, size: int, path: Path) -> dict[str, float]:
+    """Kernels of one graph replay as the device ran them (dependent launches included):
+    each kernel's name, start and duration in microseconds, relative to the first, and the
+    total of each name. Written to `path` as JSON; the summary is returned."""
+    graph = graphs._graphs[GraphKey(GraphPhase.DECODE, size)]
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return {"kernels": 0}
+    origin = kernels[0]["ts"]
+    rows = [{"name": k["name"][:60], "start_us": k["ts"] - origin, "us": k["dur"]} for k in kernels]
+    totals: dict[str, float] = {}
+    for row in rows:
+        totals[row["name"]] = totals.get(row["name"], 0.0) + row["us"]
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - origin
+    busy = sum(row["us"] for row in rows)
+    path.write_text(json.dumps({"span_us": span, "kernel_us": busy, "totals_us": totals, "kernels": rows}, indent=1))
+    return {"kernels": len(rows), "span_us": span, "sum_kernel_us": busy}
+
+
 def linear_bandwidth(device: torch.device) -> dict[str, float]:
     shapes = {
         "qkv": (6144, 4096),
@@ -145,6 +172,7 @@ def main() -> None:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
     (out / "host_profile.txt").write_text(text.getvalue())
     kernel_table(graphs, 1, out / "kernels_batch1.txt")
+    report["replay_timeline_1"] = replay_timeline(graphs, 1, out / "timeline_batch1.json")
     report.update(full_batch_steps(llm, out))
 
     # A full batch of long contexts: page tables pointing at real (garbage) pages.

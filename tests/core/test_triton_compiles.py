@@ -33,7 +33,6 @@ ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32"}
 FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
 BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32")
-DECODE |= dict(WIDEN_AT_LOAD=False)
 
 CASES = {
     "gemv": (gemv._gemv_kernel, BF16_ROW, dict(HAS_BIAS=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048)),
@@ -57,11 +56,6 @@ CASES = {
         attention.decode_kernel,
         ATTENTION | FLOAT8_POOL,
         DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, DEPENDENT=True),
-    ),
-    "decode_float8_widened_at_load": (
-        attention.decode_kernel,
-        ATTENTION | FLOAT8_POOL,
-        DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, DEPENDENT=True, WIDEN_AT_LOAD=True),
     ),
     "decode_split_bf16": (
         attention.decode_kernel,
@@ -122,11 +116,3 @@ def test_kernel_compiles_for_hopper(name, compiled_cases):
 
 if __name__ == "__main__":
     print(json.dumps({name: compile_for_hopper(name) for name in CASES}))
-
-
-def test_float8_widened_at_load_reaches_the_dots_through_ldmatrix(compiled_cases):
-    """Why WIDEN_AT_LOAD exists: without it the compiler widens float8 after shared memory,
-    reading the tile byte by byte; with it the tile is stored widened and read as bf16's is."""
-    assert "ldmatrix" not in compiled_cases["decode_float8"]["ptx"]
-    assert "ldmatrix" in compiled_cases["decode_float8_widened_at_load"]["ptx"]
-    assert "ldmatrix" in compiled_cases["decode_split_bf16"]["ptx"]

@@ -49,26 +49,3 @@ def test_small_batches_split_and_large_ones_do_not():
     assert decode_splits(1, 1, cpu) > 1
     assert decode_splits(256, 8, cpu) == 1
     assert decode_splits(1, 8, cpu) <= decode_splits(1, 1, cpu)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the widening at load is inline PTX: compiled only")
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_float8_widened_at_load_gives_the_same_attention(num_splits):
-    torch.manual_seed(0)
-    device = torch.device("cuda")
-    heads, kv_heads, dim, page_size = 32, 8, 128, 16
-    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5)
-    float8 = torch.float8_e4m3fn
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=float8, page_size=page_size)
-    kv = PagedKVProvider(spec, 160 * spec.bytes_per_page(), device)
-    for pool in (kv.layer(0).key, kv.layer(0).value):
-        pool.copy_(torch.randn(pool.shape, device=device).to(pool.dtype))
-    backend = TritonPagedBackend(device, page_size)
-    lengths = [700, 33, 129, 1000]
-    chunks = [SequenceChunk(1, n - 1, tuple(kv.reserve(str(i), n))) for i, n in enumerate(lengths)]
-    decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
-    query = torch.randn(len(lengths), heads, dim, device=device, dtype=torch.bfloat16)
-    outputs = [torch.empty_like(query) for _ in range(2)]
-    decode_attention(query, kv.layer(0), decode, layer, outputs[0], num_splits=num_splits)
-    decode_attention(query, kv.layer(0), decode, layer, outputs[1], num_splits=num_splits, WIDEN_AT_LOAD=True)
-    assert torch.equal(outputs[0], outputs[1])

@@ -69,31 +69,6 @@ def _dot_query(query, scale, DOTS_IN_FP16: tl.constexpr):
 
 
 @triton.jit
-def _widen(x, dtype: tl.constexpr, AT_LOAD: tl.constexpr):
-    """x in the dots' dtype. With AT_LOAD, a float8 tile bound for float16 dots is widened
-    in registers as loaded. Otherwise Triton moves the widening after the tile's trip through
-    shared memory, where a float8 tile is read byte by byte rather than by `ldmatrix`; an
-    impure asm conversion is not moved. (A launch option, for `scripts/attention_bench.py`.)"""
-    if AT_LOAD and x.dtype == tl.float8e4nv and dtype == tl.float16:
-        return tl.inline_asm_elementwise(
-            """
-            {
-            .reg .b16 low, high;
-            mov.b32 {low, high}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, low;
-            cvt.rn.f16x2.e4m3x2 $1, high;
-            }
-            """,
-            "=r,=r,r",
-            [x.to(tl.uint8, bitcast=True)],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
-    return x.to(dtype)
-
-
-@triton.jit
 def _attend_block(
     query,
     acc,
@@ -114,7 +89,6 @@ def _attend_block(
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
-    WIDEN_AT_LOAD: tl.constexpr,
 ):
     """One online-softmax update of `acc` with the keys and values at `positions`, which may
     span several pages (looked up in the sequence's page-table row)."""
@@ -127,8 +101,8 @@ def _attend_block(
         + dims[None, :]
     )
     load_mask = in_sequence[:, None] & (dims < HEAD_DIM)[None, :]
-    keys = _widen(tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0), query.dtype, WIDEN_AT_LOAD)
-    values = _widen(tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0), query.dtype, WIDEN_AT_LOAD)
+    keys = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(query.dtype)
+    values = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0).to(query.dtype)
     scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -172,7 +146,6 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
     DEPENDENT: tl.constexpr,
-    WIDEN_AT_LOAD: tl.constexpr,
 ):
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
@@ -226,7 +199,6 @@ def decode_kernel(
             BLOCK_D,
             PAGE,
             PRECISION,
-            WIDEN_AT_LOAD,
         )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
@@ -360,7 +332,6 @@ def prefill_kernel(
             BLOCK_D,
             PAGE,
             PRECISION,
-            False,
         )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
     tl.store(

@@ -118,7 +118,7 @@ def decode_attention(
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
     its lengths, so a captured graph stays valid for every step of its bucket. `launch`
-    (num_warps, num_stages, BLOCK_N, WIDEN_AT_LOAD) overrides the defaults, for sweeps."""
+    (num_warps, num_stages, BLOCK_N) overrides the defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
@@ -134,7 +134,6 @@ def decode_attention(
         PRECISION=_precision(query),
         SPLIT=splits > 1,
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
-        WIDEN_AT_LOAD=False,
         **dependent_launch_args(query.device),
     )
     constants.update(decode_launch(cache, layer.head_dim, splits))
