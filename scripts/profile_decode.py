@@ -188,6 +188,7 @@ def main() -> None:
     graphs.slots[:size] = table[:, -1] * page_size
     report[f"replay_ms_{size}_ctx{args.context}"] = replay_ms(graphs, size, 20)
     kernel_table(graphs, size, out / f"kernels_batch{size}.txt")
+    report[f"replay_timeline_{size}"] = replay_timeline(graphs, size, out / f"timeline_batch{size}.json")
     graphs.seq_lens[:size] = 1
     report[f"replay_ms_{size}_ctx1"] = replay_ms(graphs, size, 20)
     report["linear_gb_s_at_1_row"] = linear_bandwidth(torch.device("cuda"))
