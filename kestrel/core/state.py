@@ -157,11 +157,18 @@ class KVLayerCache:
     """The key and value pages of one layer: each [num_kv_heads, num_pages, page_size, head_dim].
 
     Head-major, so gathering a sequence's pages yields one contiguous [tokens, head_dim]
-    block per head: the layout attention kernels read fastest.
+    block per head: the layout attention kernels read fastest. A float8 pool stores each
+    page's values slot-minor ([head_dim, page_size] in memory; `value` is a strided view,
+    `values_by_slot`): a kernel then reads them as the second dot needs them, along the
+    keys, in whole vectors rather than byte by byte.
     """
 
     key: torch.Tensor
     value: torch.Tensor
+
+    @property
+    def values_by_slot(self) -> bool:
+        return self.value.stride(-1) != 1
 
 
 class PagedKVProvider(StateProvider):
@@ -187,8 +194,15 @@ class PagedKVProvider(StateProvider):
         # uninitialised memory may hold NaN, which would survive that multiplication.
         self._storage = torch.zeros(shape, dtype=spec.dtype, device=device)
         self._layers = tuple(
-            KVLayerCache(key=self._storage[i, 0], value=self._storage[i, 1]) for i in range(spec.num_layers)
+            KVLayerCache(key=layer[0], value=self._values(layer[1])) for layer in self._storage.unbind(0)
         )
+
+    def _values(self, pages: torch.Tensor) -> torch.Tensor:
+        """One layer's value pages, as KVLayerCache describes them."""
+        if self.spec.dtype not in FLOAT8_KV_DTYPES:
+            return pages
+        heads, num_pages, page_size, head_dim = pages.shape
+        return pages.view(heads, num_pages, head_dim, page_size).transpose(2, 3)
 
     @property
     def num_pages(self) -> int:

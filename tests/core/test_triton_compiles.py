@@ -50,23 +50,24 @@ CASES = {
     "store_kv_float8": (
         attention.store_kv_kernel,
         FLOAT8_POOL | {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64"},
-        dict(HEAD_DIM=128, BLOCK_D=128, DEPENDENT=True),
+        dict(PAGE=16, HEAD_DIM=128, BLOCK_D=128, DEPENDENT=True),
     ),
     "decode_float8": (
         attention.decode_kernel,
         ATTENTION | FLOAT8_POOL,
-        DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, DEPENDENT=True),
+        DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, DEPENDENT=True),
     ),
     "decode_split_bf16": (
         attention.decode_kernel,
         ATTENTION | BF16_POOL,
-        DECODE | dict(SPLIT=True, DOTS_IN_FP16=False, DEPENDENT=True),
+        DECODE | dict(SPLIT=True, DOTS_IN_FP16=False, VALUES_BY_SLOT=False, DEPENDENT=True),
     ),
     # decode_launch's large-batch setting, with the widest pool it may read (float32).
     "decode_large_batch_float32": (
         attention.decode_kernel,
         ATTENTION | {"query_ptr": "*fp32", "key_cache_ptr": "*fp32", "value_cache_ptr": "*fp32"},
-        DECODE | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, DEPENDENT=True),
+        DECODE
+        | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, VALUES_BY_SLOT=False, DEPENDENT=True),
     ),
     "combine_splits": (
         attention.combine_splits_kernel,
@@ -76,7 +77,8 @@ CASES = {
     "prefill_float8": (
         attention.prefill_kernel,
         ATTENTION | FLOAT8_POOL,
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, PAGE=16, BLOCK_N=64, PRECISION="tf32", DOTS_IN_FP16=True),
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, PAGE=16, BLOCK_N=64, PRECISION="tf32")
+        | dict(DOTS_IN_FP16=True, VALUES_BY_SLOT=True),
     ),
 }
 
@@ -89,8 +91,12 @@ def compile_for_hopper(name: str) -> dict[str, str | int]:
         return {"ptx": f"unknown constants {set(constants) - set(params)}", "shared": 0}
     signature = {p: "constexpr" if p in constants else pointer_types.get(p, "i32") for p in params}
     constexprs = {(params.index(k),): v for k, v in constants.items()}
+    # As a launch specializes them: pointers and strides divisible by 16, so loads vectorize.
+    aligned = [i for i, p in enumerate(params) if p not in constants and (p.endswith("_ptr") or p.startswith("stride"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     try:
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=LAUNCH_OPTIONS)
+        source = ASTSource(kernel, signature, constexprs, attrs)
+        compiled = triton.compile(source, target=HOPPER, options=LAUNCH_OPTIONS)
     except Exception as error:  # reported by the test, per kernel
         return {"ptx": f"{type(error).__name__}: {error}", "shared": 0}
     return {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
@@ -112,6 +118,14 @@ def test_kernel_compiles_for_hopper(name, compiled_cases):
     assert shared <= HOPPER_SHARED_MEMORY
     # A kernel launched as dependent waits for the one before it (dependent_launch.py).
     assert ("griddepcontrol.wait" in ptx) == CASES[name][2].get("DEPENDENT", False)
+
+
+def test_float8_decode_reads_shared_memory_in_vectors(compiled_cases):
+    """Why a float8 pool stores values slot-minor (KVLayerCache): read key-major, the
+    values' tile reached the second dot byte by byte from shared memory."""
+    for name in ("decode_float8", "prefill_float8"):
+        ptx = compiled_cases[name]["ptx"]
+        assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, name
 
 
 if __name__ == "__main__":

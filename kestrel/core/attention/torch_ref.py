@@ -62,10 +62,11 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """key, value [tokens, kv_heads, dim] into their slots of the head-major pages."""
-    heads, dim = key.shape[1], key.shape[2]
+    """key, value [tokens, kv_heads, dim] into their slots of the head-major pages (whatever
+    their strides: KVLayerCache)."""
+    page_size = cache.key.shape[2]
     for pages, new in ((cache.key, key), (cache.value, value)):
-        _raw(pages).view(heads, -1, dim).index_copy_(1, slots, _raw(new.transpose(0, 1).to(pages.dtype)))
+        _raw(pages)[:, slots // page_size, slots % page_size] = _raw(new.transpose(0, 1).to(pages.dtype))
 
 
 def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -73,7 +74,7 @@ def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, dtype: torch.dty
     in `dtype` (default: the pool's own)."""
     gathered = _raw(pages)[:, page_table].view(pages.dtype)
     heads, rows, width, page, dim = gathered.shape
-    gathered = gathered.view(heads, rows, width * page, dim).transpose(0, 1)
+    gathered = gathered.reshape(heads, rows, width * page, dim).transpose(0, 1)
     return gathered if dtype is None else gathered.to(dtype)
 
 

@@ -39,11 +39,17 @@ def store_kv_kernel(
     stride_value_token,
     stride_value_head,
     stride_cache_head,
-    stride_cache_slot,
+    stride_cache_page,
+    stride_key_cache_slot,
+    stride_value_cache_slot,
+    stride_value_cache_dim,
+    PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
+    """Each (token, kv head)'s key and value into its slot; a pool's values may be stored
+    slot-minor (KVLayerCache), hence their own strides."""
     wait_for_inputs(DEPENDENT)
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -52,10 +58,13 @@ def store_kv_kernel(
     in_dim = dims < HEAD_DIM
     key = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + dims, mask=in_dim)
     value = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + dims, mask=in_dim)
-    target = head * stride_cache_head + slot * stride_cache_slot + dims
+    page_start = head * stride_cache_head + slot // PAGE * stride_cache_page
+    in_page = slot % PAGE
+    key_target = page_start + in_page * stride_key_cache_slot + dims
+    value_target = page_start + in_page * stride_value_cache_slot + dims * stride_value_cache_dim
     # Through float32: half types have no direct conversion to float8 everywhere.
-    tl.store(key_cache_ptr + target, key.to(tl.float32).to(key_cache_ptr.dtype.element_ty), mask=in_dim)
-    tl.store(value_cache_ptr + target, value.to(tl.float32).to(value_cache_ptr.dtype.element_ty), mask=in_dim)
+    tl.store(key_cache_ptr + key_target, key.to(tl.float32).to(key_cache_ptr.dtype.element_ty), mask=in_dim)
+    tl.store(value_cache_ptr + value_target, value.to(tl.float32).to(value_cache_ptr.dtype.element_ty), mask=in_dim)
 
 
 @triton.jit
@@ -69,6 +78,15 @@ def _dot_query(query, scale, DOTS_IN_FP16: tl.constexpr):
 
 
 @triton.jit
+def _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE: tl.constexpr, RUN: tl.constexpr):
+    """A [keys, dims] tile of a pool whose pages hold values slot-minor ([dim, slot]), `mask`
+    whole pages: each run of RUN keys (within one page) is then one vector load."""
+    offsets = page_starts + in_page + dims[None, :] * PAGE
+    offsets = tl.max_contiguous(tl.multiple_of(offsets, [RUN, 1]), [RUN, 1])
+    return tl.load(value_cache_ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def _attend_block(
     query,
     acc,
@@ -79,6 +97,7 @@ def _attend_block(
     page_table_row_ptr,
     positions,
     in_sequence,
+    end,
     kv_head,
     visible,
     scale,
@@ -88,21 +107,27 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    VALUES_BY_SLOT: tl.constexpr,
 ):
     """One online-softmax update of `acc` with the keys and values at `positions`, which may
     span several pages (looked up in the sequence's page-table row)."""
     dims = tl.arange(0, BLOCK_D)
-    pages = tl.load(page_table_row_ptr + positions // PAGE, mask=in_sequence, other=0)
-    offsets = (
-        kv_head * stride_cache_head
-        + pages[:, None] * stride_cache_page
-        + (positions % PAGE)[:, None] * stride_cache_slot
-        + dims[None, :]
-    )
-    load_mask = in_sequence[:, None] & (dims < HEAD_DIM)[None, :]
-    keys = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(query.dtype)
-    values = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0).to(query.dtype)
+    # Every slot of a page the sequence uses, up to `end`: whole pages, for the values' loads.
+    page_in_use = positions // PAGE < tl.cdiv(end, PAGE)
+    pages = tl.load(page_table_row_ptr + positions // PAGE, mask=page_in_use, other=0)
+    page_starts = (kv_head * stride_cache_head + pages * stride_cache_page)[:, None]
+    in_page = (positions % PAGE)[:, None]
+    in_dim = (dims < HEAD_DIM)[None, :]
+    offsets = page_starts + in_page * stride_cache_slot + dims[None, :]
+    keys = tl.load(key_cache_ptr + offsets, mask=in_sequence[:, None] & in_dim, other=0.0).to(query.dtype)
+    if VALUES_BY_SLOT:
+        mask = page_in_use[:, None] & in_dim
+        values = _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE, min(PAGE, BLOCK_N))
+    else:
+        values = tl.load(value_cache_ptr + offsets, mask=in_sequence[:, None] & in_dim, other=0.0)
+    values = values.to(query.dtype)
     scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -145,6 +170,7 @@ def decode_kernel(
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
+    VALUES_BY_SLOT: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     wait_for_inputs(DEPENDENT)
@@ -189,6 +215,7 @@ def decode_kernel(
             table_row,
             positions,
             in_sequence,
+            end,
             kv_head,
             visible,
             scale,
@@ -198,7 +225,9 @@ def decode_kernel(
             HEAD_DIM,
             BLOCK_D,
             PAGE,
+            BLOCK_N,
             PRECISION,
+            VALUES_BY_SLOT,
         )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
@@ -278,6 +307,7 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
+    VALUES_BY_SLOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -322,6 +352,7 @@ def prefill_kernel(
             table_row,
             positions,
             in_sequence,
+            end,
             kv_head,
             visible,
             scale,
@@ -331,7 +362,9 @@ def prefill_kernel(
             HEAD_DIM,
             BLOCK_D,
             PAGE,
+            BLOCK_N,
             PRECISION,
+            VALUES_BY_SLOT,
         )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
     tl.store(

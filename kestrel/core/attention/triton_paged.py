@@ -86,7 +86,11 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
         value.stride(0),
         value.stride(1),
         cache.key.stride(0),
+        cache.key.stride(1),
         cache.key.stride(2),
+        cache.value.stride(2),
+        cache.value.stride(3),
+        PAGE=page_size_of(cache),
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         **dependent_launch_args(key.device),
@@ -134,6 +138,7 @@ def decode_attention(
         PRECISION=_precision(query),
         SPLIT=splits > 1,
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
+        VALUES_BY_SLOT=cache.values_by_slot,
         **dependent_launch_args(query.device),
     )
     constants.update(decode_launch(cache, layer.head_dim, splits))
@@ -231,6 +236,7 @@ def prefill_attention(
         BLOCK_N=key_block(cache),
         PRECISION=_precision(query),
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
+        VALUES_BY_SLOT=cache.values_by_slot,
     )
 
 
