@@ -4,7 +4,8 @@ a sweep of warps, pipeline stages, key blocks and key splits.
 
     python scripts/attention_bench.py [--batch 256] [--context 1500] [--quick]
 
-`--quick` times only the default launch, with the default key splits.
+`--quick` times only the default launch, with the default key splits. `--float8-stages`
+sweeps the float8 pool alone over deeper pipelines (its tiles take half the shared memory).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--float8-stages", action="store_true")
     args = parser.parse_args()
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     query = torch.randn(args.batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -46,13 +48,23 @@ def main() -> None:
         {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (4, 8) for s in (1, 2) for n in (32, 64, 128)
     ]
     splits_tried = (None, 1, 2, 4)  # None: the default for the batch
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn)
     if args.quick:
         launches, splits_tried = [{}], (None,)
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    if args.float8_stages:
+        dtypes, splits_tried = (torch.float8_e4m3fn,), (None, 2)
+        launches = [{}] + [
+            {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (4, 8) for s in (2, 3, 4) for n in (64, 128)
+        ]
+    for dtype in dtypes:
         kv, meta = pool(dtype, args.batch, args.context)
         kv_bytes = 2 * args.batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
         for launch, splits in itertools.product(launches, splits_tried):
-            milliseconds = time_decode(query, kv, meta, layer, output, launch, splits)
+            try:
+                milliseconds = time_decode(query, kv, meta, layer, output, launch, splits)
+            except Exception as error:  # e.g. out of shared memory: reported, and the sweep goes on
+                print(f"{str(dtype):<22}{launch} splits={splits}: {type(error).__name__}")
+                continue
             rate = kv_bytes / milliseconds / 1e9
             setting = f"{launch} splits={splits}"
             print(f"{str(dtype):<22}{setting:<60}{milliseconds * 1e3:>9.1f} us {rate:>8.2f} TB/s")
