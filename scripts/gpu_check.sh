@@ -7,9 +7,12 @@
 #   bash scripts/gpu_check.sh attention   # decode attention over bf16 vs float8 pools, 256 x 1500 and batch 1
 #   bash scripts/gpu_check.sh fp8         # decode attention sweep; 1000 x 1000/1000 with a float8 pool
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
+#   bash scripts/gpu_check.sh tp          # two GPUs: TP=2 parity, all-reduce bandwidth, TP=1 vs TP=2
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# NVLink multicast stays off: on a shared host it can put the GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=. TOKENIZERS_PARALLELISM=false
@@ -56,8 +59,19 @@ for phase in "${@:-tests}"; do
     long)
         throughput 2048 2048
         ;;
+    tp)  # in one call: ~2 min of tests, then each TP size's latency and 1000 x 1000/1000
+        python3 -m pytest -q -p no:cacheprovider tests/engine/test_tensor_parallel.py -k gpus 2>&1 |
+            tee "$out/tp_tests.log" | tail -n 5
+        python3 scripts/allreduce_bench.py --world-size 2 2>&1 | tee "$out/allreduce.log"
+        for tp in 1 2; do
+            python3 -m kestrel bench latency $B -tp $tp --input-len 128 --output-len 256 --no-hf-baseline \
+                --output-json "$out/latency_tp$tp.json" 2>&1 | tail -n 6
+            python3 -m kestrel bench throughput $B -tp $tp --num-prompts 1000 --input-len 1000 --output-len 1000 \
+                --no-hf-baseline --output-json "$out/throughput_tp$tp.json" 2>&1 | tail -n 6
+        done
+        ;;
     *)
-        echo "unknown phase $phase (tests, gemv, latency, throughput, attention, fp8, long)" >&2
+        echo "unknown phase $phase (tests, gemv, latency, throughput, attention, fp8, long, tp)" >&2
         exit 2
         ;;
     esac

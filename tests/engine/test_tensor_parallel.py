@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (gloo): TP=2 gives TP=1's greedy tokens for every family
-it supports, and a worker that dies makes the engine fail fast with a clear error."""
+it supports, and a worker that dies makes the engine fail fast with a clear error. With two
+GPUs, the same parity over NCCL, eager and replayed from CUDA graphs."""
 
 from __future__ import annotations
 
@@ -35,6 +36,23 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(family, checkpoint_dir):
         assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
         stats = llm.engine.stats()
         assert stats.num_used_pages == 0 and stats.num_running == 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_two_gpus_give_the_same_greedy_tokens_as_one(enforce_eager, checkpoint_dir):
+    # float32, so that the all-reduce's summation order cannot flip a greedy choice.
+    settings = dict(device="cuda", dtype="float32", kv_cache_memory_gb=0.5, enforce_eager=enforce_eager)
+    path = str(checkpoint_dir("llama"))
+    single = LLM(path, **settings)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts(), GREEDY, use_tqdm=False)]
+    single.engine.shutdown()
+    llm = LLM(path, tensor_parallel_size=2, **settings)
+    try:
+        split = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in split] == expected
     finally:
         llm.engine.shutdown()
 
