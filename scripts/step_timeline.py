@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--dummy-config", default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=512)
@@ -82,6 +83,7 @@ def main() -> None:
         load_format="dummy" if args.dummy_config else "auto",
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         async_scheduling=args.async_scheduling,
