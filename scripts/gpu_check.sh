@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh latency     # batch-1 latency (dependent launch off, then on), decode profile
 #   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
 #   bash scripts/gpu_check.sh attention   # decode attention over bf16 vs float8 pools, 256 x 1500 and batch 1
-#   bash scripts/gpu_check.sh fp8         # decode attention sweep; 1000 x 1000/1000 with a float8 pool
+#   bash scripts/gpu_check.sh fp8         # float8 decode sweep; 1000 x 1000/1000 and step timelines with float8
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
 #   bash scripts/gpu_check.sh tp          # two GPUs: TP=2 parity, all-reduce bandwidth, TP=1 vs TP=2
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
@@ -52,9 +52,14 @@ for phase in "${@:-tests}"; do
         python3 scripts/attention_bench.py --quick 2>&1 | tee "$out/attention.log"
         python3 scripts/attention_bench.py --quick --batch 1 --context 384 2>&1 | tee -a "$out/attention.log"
         ;;
-    fp8)
-        python3 scripts/attention_bench.py 2>&1 | tee "$out/attention_sweep.log"
+    fp8)  # the float8 pool's launch sweep, 1000 x 1000/1000, and its steps beside bf16's
+        python3 scripts/attention_bench.py --float8-stages 2>&1 | tee "$out/attention_sweep.log"
         throughput 1000 1000 fp8
+        for kv in auto fp8; do
+            python3 scripts/step_timeline.py --dummy-config llama-3-8b --dtype bfloat16 --device cuda \
+                --kv-cache-dtype $kv --num-prompts 256 --input-len 1000 --output-len 200 \
+                --out "$out/timeline_$kv.json" 2>&1 | tail -n 4
+        done
         ;;
     long)
         throughput 2048 2048
