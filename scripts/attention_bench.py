@@ -4,8 +4,9 @@ a sweep of warps, pipeline stages, key blocks and key splits.
 
     python scripts/attention_bench.py [--batch 256] [--context 1500] [--quick]
 
-`--quick` times only the default launch, with the default key splits. `--float8-stages`
-sweeps the float8 pool alone over deeper pipelines (its tiles take half the shared memory).
+`--quick` times only the default launch, with the default key splits, and for the float8
+pool the float8-dots kernel (`FLOAT8_DOTS`). `--float8-stages` sweeps the float8 pool alone
+over deeper pipelines (its tiles take half the shared memory), with and without float8 dots.
 """
 
 from __future__ import annotations
@@ -49,17 +50,23 @@ def main() -> None:
     ]
     splits_tried = (None, 1, 2, 4)  # None: the default for the batch
     dtypes = (torch.bfloat16, torch.float8_e4m3fn)
-    if args.quick:
-        launches, splits_tried = [{}], (None,)
+    if args.quick:  # float8 dots: for the float8 pool alone (decode_attention's FLOAT8_DOTS)
+        launches, splits_tried = [{}, {"FLOAT8_DOTS": True}, {"FLOAT8_DOTS": True, "num_stages": 2}], (None,)
     if args.float8_stages:
         dtypes, splits_tried = (torch.float8_e4m3fn,), (None, 2)
         launches = [{}] + [
-            {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (4, 8) for s in (2, 3, 4) for n in (64, 128)
+            {"num_warps": w, "num_stages": s, "BLOCK_N": n, "FLOAT8_DOTS": dots}
+            for w in (4, 8)
+            for s in (2, 3, 4)
+            for n in (64, 128)
+            for dots in (False, True)
         ]
     for dtype in dtypes:
         kv, meta = pool(dtype, args.batch, args.context)
         kv_bytes = 2 * args.batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
         for launch, splits in itertools.product(launches, splits_tried):
+            if launch.get("FLOAT8_DOTS") and dtype != torch.float8_e4m3fn:
+                continue
             try:
                 milliseconds = time_decode(query, kv, meta, layer, output, launch, splits)
             except Exception as error:  # e.g. out of shared memory: reported, and the sweep goes on

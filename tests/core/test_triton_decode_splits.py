@@ -49,3 +49,48 @@ def test_small_batches_split_and_large_ones_do_not():
     assert decode_splits(1, 1, cpu) > 1
     assert decode_splits(256, 8, cpu) == 1
     assert decode_splits(1, 8, cpu) <= decode_splits(1, 1, cpu)
+
+
+FLOAT8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("heads, num_splits, window", [(8, 1, None), (8, 3, 50), (4, 1, None), (16, 2, None)])
+def test_float8_dots_match_dense_attention_over_the_float8_pool(heads, num_splits, window):
+    """FLOAT8_DOTS: the keys and values as stored, on float8 tensor cores, with the query and
+    the softmax weights as high and low float8 parts, give the dense attention over the
+    rounded context within half-precision tolerance, for head groups of 2, 4 and 8."""
+    torch.manual_seed(0)
+    device = torch.device(DEVICES[0])
+    kv_heads, dim, page_size = 2, 64, 16
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=FLOAT8, page_size=page_size)
+    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
+    for pages in (kv.layer(0).key, kv.layer(0).value):
+        pages.view(torch.uint8).fill_(0x7E)  # stale slots: 448, which no output may show
+    backend = TritonPagedBackend(device, page_size)
+    lengths = [300, 5, 129]
+    contexts = [[(torch.randn(n, kv_heads, dim) * 3).to(FLOAT8).float() for _ in range(2)] for n in lengths]
+    chunks = []
+    for index, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
+        pages = tuple(kv.reserve(str(index), length))
+        metadata = backend.bind(BatchLayout((SequenceChunk(length, 0, pages),), 0, page_size))
+        backend.store(kv.layer(0), keys.half().to(device), values.half().to(device), metadata.slot_mapping)
+        chunks.append(SequenceChunk(1, length - 1, pages))
+    decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
+    query = torch.randn(len(lengths), heads, dim, dtype=torch.float16)
+    output = torch.empty_like(query).to(device)
+    decode_attention(query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits, FLOAT8_DOTS=True)
+    for row, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
+        expected = dense_reference(query[row : row + 1].float(), keys, values, length - 1, layer.scale, window)
+        torch.testing.assert_close(output[row : row + 1].float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_float8_dots_refuse_a_pool_they_cannot_read():
+    device = torch.device(DEVICES[0])
+    layer = AttentionLayerSpec(8, 2, 64, 0.125)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_size=16)
+    kv = PagedKVProvider(spec, 4 * spec.bytes_per_page(), device)
+    decode = TritonPagedBackend(device, 16).bind(BatchLayout((SequenceChunk(1, 0, (0,)),), 1, 16)).decode
+    query = torch.randn(1, 8, 64, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="FLOAT8_DOTS needs a half-precision query over a float8 pool"):
+        decode_attention(query, kv.layer(0), decode, layer, torch.empty_like(query), FLOAT8_DOTS=True)
