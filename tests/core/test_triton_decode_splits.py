@@ -54,14 +54,17 @@ def test_small_batches_split_and_large_ones_do_not():
 FLOAT8 = torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("heads, num_splits, window", [(8, 1, None), (8, 3, 50), (4, 1, None), (16, 2, None)])
-def test_float8_dots_match_dense_attention_over_the_float8_pool(heads, num_splits, window):
+@pytest.mark.parametrize(
+    "heads, num_splits, window, dim, page_size",
+    [(8, 1, None, 64, 16), (8, 3, 50, 64, 16), (4, 1, None, 64, 16), (16, 2, None, 64, 16), (8, 1, None, 128, 64)],
+)
+def test_float8_dots_match_dense_attention_over_the_float8_pool(heads, num_splits, window, dim, page_size):
     """FLOAT8_DOTS: the keys and values as stored, on float8 tensor cores, with the query and
     the softmax weights as high and low float8 parts, give the dense attention over the
     rounded context within half-precision tolerance, for head groups of 2, 4 and 8."""
     torch.manual_seed(0)
     device = torch.device(DEVICES[0])
-    kv_heads, dim, page_size = 2, 64, 16
+    kv_heads = 2
     layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=FLOAT8, page_size=page_size)
     kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
