@@ -58,7 +58,8 @@ QUERY_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICES[:1] == ["cuda"] el
 
 @pytest.mark.parametrize(
     "heads, num_splits, window, dim, page_size",
-    [(8, 1, None, 64, 16), (8, 3, 50, 64, 16), (4, 1, None, 64, 16), (16, 2, None, 64, 16), (8, 1, None, 128, 64)],
+    [(8, 1, None, 64, 16), (8, 3, 50, 64, 16), (4, 1, None, 64, 16), (16, 2, None, 64, 16), (8, 1, None, 128, 64)]
+    + [(2, 1, None, 64, 16)],
 )
 @pytest.mark.parametrize("dtype", QUERY_DTYPES)
 def test_float8_dots_match_dense_attention_over_the_float8_pool(heads, num_splits, window, dim, page_size, dtype):
