@@ -117,6 +117,15 @@ def _float8_query(query, scale, ROWS: tl.constexpr, PARTS: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def _block_pages(page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE: tl.constexpr):
+    """Where each position's page starts in the pool, its slot there, and whether the page is
+    one the sequence uses up to `end` (every slot of it: values may be read by whole pages)."""
+    page_in_use = positions // PAGE < tl.cdiv(end, PAGE)
+    pages = tl.load(page_table_row_ptr + positions // PAGE, mask=page_in_use, other=0)
+    return kv_head * stride_cache_head + pages * stride_cache_page, positions % PAGE, page_in_use
+
+
+@triton.jit
 def _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE: tl.constexpr, RUN: tl.constexpr):
     """A [keys, dims] tile of a pool whose pages hold values slot-minor ([dim, slot]), `mask`
     whole pages: each run of RUN keys (within one page) is then one vector load."""
@@ -153,12 +162,10 @@ def _attend_block(
     """One online-softmax update of `acc` with the keys and values at `positions`, which may
     span several pages (looked up in the sequence's page-table row)."""
     dims = tl.arange(0, BLOCK_D)
-    # Every slot of a page the sequence uses, up to `end`: whole pages, for the values' loads.
-    page_in_use = positions // PAGE < tl.cdiv(end, PAGE)
-    pages = tl.load(page_table_row_ptr + positions // PAGE, mask=page_in_use, other=0)
-    page_starts = (kv_head * stride_cache_head + pages * stride_cache_page)[:, None]
-    in_page = (positions % PAGE)[:, None]
-    in_dim = (dims < HEAD_DIM)[None, :]
+    page_starts, in_page, page_in_use = _block_pages(
+        page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE
+    )
+    page_starts, in_page, in_dim = page_starts[:, None], in_page[:, None], (dims < HEAD_DIM)[None, :]
     offsets = page_starts + in_page * stride_cache_slot + dims[None, :]
     keys = tl.load(key_cache_ptr + offsets, mask=in_sequence[:, None] & in_dim, other=0.0).to(query.dtype)
     if VALUES_BY_SLOT:
@@ -211,10 +218,9 @@ def _attend_block_float8(
     with per-head `unscale` factors."""
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
-    page_in_use = positions // PAGE < tl.cdiv(end, PAGE)
-    pages = tl.load(page_table_row_ptr + positions // PAGE, mask=page_in_use, other=0)
-    page_starts = kv_head * stride_cache_head + pages * stride_cache_page
-    in_page = positions % PAGE
+    page_starts, in_page, page_in_use = _block_pages(
+        page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE
+    )
     key_offsets = page_starts[:, None] + in_page[:, None] * stride_cache_slot + dims[None, :]
     keys = tl.load(key_cache_ptr + key_offsets, mask=in_sequence[:, None] & in_dim[None, :], other=0.0)
     values_mask = page_in_use[:, None] & in_dim[None, :]
