@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything to check on a GPU machine, in phases that each fit one 10-minute call:
-#   bash scripts/gpu_check.sh tests       # the CUDA tests (compiled kernels, HF parity, no syncs in launch)
+#   bash scripts/gpu_check.sh tests       # the kernel tests, compiled (core, layers)
+#   bash scripts/gpu_check.sh parity      # HF parity on CUDA (eager, graphs), overlapped steps
 #   bash scripts/gpu_check.sh gemv        # the one-row matvec vs cuBLAS per weight shape
 #   bash scripts/gpu_check.sh latency     # batch-1 latency (dependent launch off, then on), decode profile
 #   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
@@ -26,9 +27,12 @@ throughput() {  # input_len output_len [kv cache dtype]
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 for phase in "${@:-tests}"; do
     case "$phase" in
-    tests)
-        python3 -m pytest -q -p no:cacheprovider tests/core tests/layers tests/test_hf_parity.py \
-            tests/engine/test_async_scheduling.py 2>&1 | tee "$out/tests.log" | tail -n 30
+    tests)  # about 5 minutes: every kernel compiled, against the torch reference
+        python3 -m pytest -q -p no:cacheprovider tests/core tests/layers 2>&1 | tee "$out/tests.log" | tail -n 30
+        ;;
+    parity)  # HF parity eager and with graphs, overlapped steps, dependent launches
+        python3 -m pytest -q -p no:cacheprovider tests/test_hf_parity.py tests/engine/test_async_scheduling.py \
+            tests/engine/test_dependent_launch_decode.py 2>&1 | tee "$out/parity.log" | tail -n 30
         ;;
     gemv)
         python3 scripts/gemv_bench.py 2>&1 | tee "$out/gemv.log"
@@ -76,7 +80,7 @@ for phase in "${@:-tests}"; do
         done
         ;;
     *)
-        echo "unknown phase $phase (tests, gemv, latency, throughput, attention, fp8, long, tp)" >&2
+        echo "unknown phase $phase (tests, parity, gemv, latency, throughput, attention, fp8, long, tp)" >&2
         exit 2
         ;;
     esac
