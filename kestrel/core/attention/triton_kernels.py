@@ -289,7 +289,8 @@ def decode_kernel(
         mask=io_mask,
         other=0.0,
     )
-    PARTS: tl.constexpr = max(16 // GROUP_PAD, 4)  # float8 dots: columns per head
+    # Float8 dots: columns per head, for its three float8 parts and at least 16 in all.
+    PARTS: tl.constexpr = max(16 // GROUP_PAD, 4)
     if FLOAT8_DOTS:
         query_parts, unscale = _float8_query(query, scale, GROUP_PAD, PARTS, BLOCK_D)
         acc = tl.zeros((BLOCK_D, GROUP_PAD), dtype=tl.float32)
