@@ -135,6 +135,18 @@ def _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE
 
 
 @triton.jit
+def _softmax_step(scores, row_max, row_sum, KEYS: tl.constexpr):
+    """One online-softmax step over `scores` whose keys run along axis KEYS: the weights, the
+    factor that rescales what was accumulated before, and the new running max and sum."""
+    new_max = tl.maximum(row_max, tl.max(scores, KEYS))
+    # Rows that have seen nothing visible yet keep a max of -inf; subtract 0 there, not -inf.
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(row_max - safe_max)
+    weights = tl.exp(scores - tl.expand_dims(safe_max, KEYS))
+    return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, KEYS)
+
+
+@triton.jit
 def _attend_block(
     query,
     acc,
@@ -176,12 +188,7 @@ def _attend_block(
     values = values.to(query.dtype)
     scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
     scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, 1))
-    # Rows that have seen nothing visible yet keep a max of -inf; subtract 0 there, not -inf.
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp(row_max - safe_max)
-    weights = tl.exp(scores - safe_max[:, None])
-    row_sum = row_sum * rescale + tl.sum(weights, 1)
+    weights, rescale, new_max, row_sum = _softmax_step(scores, row_max, row_sum, 1)
     acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
     return acc, new_max, row_sum
 
@@ -230,11 +237,7 @@ def _attend_block_float8(
     values = tl.trans(values)  # [dims, keys]: the second dot's rows
     scores = _sum_parts(tl.dot(keys, tl.trans(query_parts)), BLOCK_N, ROWS, PARTS) * unscale[None, :]
     scores = tl.where(visible[:, None], scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, 0))
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp(row_max - safe_max)
-    weights = tl.exp(scores - safe_max[None, :])
-    row_sum = row_sum * rescale + tl.sum(weights, 0)
+    weights, rescale, new_max, row_sum = _softmax_step(scores, row_max, row_sum, 0)
     weight_parts = tl.trans(_float8_parts(tl.trans(weights) * WEIGHT_SCALE, ROWS, PARTS, BLOCK_N))
     acc = acc * rescale[None, :] + _sum_parts(tl.dot(values, weight_parts), BLOCK_D, ROWS, PARTS)
     return acc, new_max, row_sum
