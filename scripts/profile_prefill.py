@@ -16,6 +16,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.bench.throughput import matmul_flops_per_s, random_prompts
+from kestrel.bench.trace import device_timeline
 
 
 def add_prompts(engine, prompts: list[list[int]], tag: str) -> None:
@@ -26,15 +27,6 @@ def add_prompts(engine, prompts: list[list[int]], tag: str) -> None:
 
 def prefilling(engine) -> int:
     return sum(1 for r in engine._requests.values() if r.num_computed_tokens < len(r.prompt_token_ids))
-
-
-def kernel_totals(prof, steps: int) -> dict[str, float]:
-    """Milliseconds of CUDA time per step, by kernel name, largest first."""
-    totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            totals[event.key[:70]] = event.device_time_total / 1e3 / steps
-    return dict(sorted(totals.items(), key=lambda item: -item[1])[:20])
 
 
 def main() -> None:
@@ -81,10 +73,12 @@ def main() -> None:
         return (time.perf_counter() - start) / args.steps
 
     wall_ms = measured_steps("timed") * 1e3
-    activity = torch.profiler.ProfilerActivity.CUDA if args.device == "cuda" else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         measured_steps("profiled")
-    kernels = kernel_totals(prof, args.steps)
+    timeline = device_timeline(prof, Path(args.out).with_suffix(".trace.json"), args.steps)
     tokens = per_step * args.input_len + args.decode_rows
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     rate = matmul_flops_per_s(budget, spec, dtype, torch.device(args.device))
@@ -96,16 +90,13 @@ def main() -> None:
         "args": vars(args),
         "tokens_per_step": tokens,
         "step_ms": wall_ms,
-        "kernel_ms_per_step": sum(kernels.values()),
         "matmul_rate_tflops": rate / 1e12,
         "matmul_flops_ms": matmul_ms,
-        "kernels_ms": kernels,
+        "device": timeline,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k != "kernels_ms"}, indent=1))
-    for name, ms in kernels.items():
-        print(f"{ms:9.2f} ms  {name}")
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.bench.throughput import random_prompts
+from kestrel.bench.trace import device_timeline
 from kestrel.sampling_params import RequestOutputKind
 
 
@@ -61,6 +62,21 @@ class BlockedClock:
         executor.launch = timed_launch
 
 
+def trace_steps(engine, steps: int, path: Path) -> None:
+    """The device's timeline over `steps` engine steps, summarised beside the trace."""
+    engine.parts.runtime.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        engine.parts.runtime.synchronize()
+    summary = device_timeline(prof, path, steps)
+    path.with_suffix(".summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "longest_gaps"}, indent=1))
+    for gap in summary.get("longest_gaps", [])[:5]:
+        print(f"idle {gap['us']:.0f} us at {gap['at_us']:.0f} us: {gap['host']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
@@ -77,6 +93,8 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--sync-debug", action="store_true", help="CUDA: warn of syncs while steps launch")
     parser.add_argument("--profile", default=None, help="write the run's host profile (cProfile, by own time) here")
+    parser.add_argument("--trace-from", type=int, default=None, help="trace the device from this step, then stop")
+    parser.add_argument("--trace-steps", type=int, default=5)
     args = parser.parse_args()
     llm = LLM(
         args.model or args.dummy_config,
@@ -115,7 +133,12 @@ def main() -> None:
     if profiler is not None:
         profiler.enable()
     start = time.perf_counter()
+    step_index = 0
     while engine.has_unfinished_requests():
+        if step_index == args.trace_from:
+            trace_steps(engine, args.trace_steps, Path(args.out).with_suffix(".trace.json"))
+            return  # a partial run: no throughput to report
+        step_index += 1
         plan_of_step.clear()
         blocked_before, step_start = clock.blocked, time.perf_counter()
         engine.step()
