@@ -32,9 +32,7 @@ ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "
 ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32"}
 FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
 BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
-DECODE = dict(
-    GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32", FLOAT8_DOTS=False
-)
+DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32")
 
 CASES = {
     "gemv": (gemv._gemv_kernel, BF16_ROW, dict(HAS_BIAS=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048)),
@@ -58,13 +56,6 @@ CASES = {
         attention.decode_kernel,
         ATTENTION | FLOAT8_POOL,
         DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, DEPENDENT=True),
-    ),
-    "decode_float8_dots": (
-        attention.decode_kernel,
-        ATTENTION | FLOAT8_POOL,
-        DECODE
-        | dict(GROUP_PAD=4, BLOCK_N=128, SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, DEPENDENT=True)
-        | dict(FLOAT8_DOTS=True),
     ),
     "decode_split_bf16": (
         attention.decode_kernel,
@@ -135,11 +126,6 @@ def test_float8_decode_reads_shared_memory_in_vectors(compiled_cases):
     for name in ("decode_float8", "prefill_float8"):
         ptx = compiled_cases[name]["ptx"]
         assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, name
-
-
-def test_float8_dots_run_on_float8_tensor_cores(compiled_cases):
-    """FLOAT8_DOTS: the pool's float8 keys and values are the warpgroup dots' own operands."""
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in compiled_cases["decode_float8_dots"]["ptx"]
 
 
 if __name__ == "__main__":

@@ -16,10 +16,7 @@ the way in and widened as they are read. A half-precision model then takes its d
 float16 (`DOTS_IN_FP16`): float8 widens to float16 exactly and in one instruction per pair,
 while widening to bfloat16 takes several, which made reading the float8 pool as slow as
 reading a pool twice its size. The query is scaled before its narrowing, so its range is
-the scores' range. The decode launch option `FLOAT8_DOTS` reads a float8 pool without any
-widening: its keys and values are the operands of float8 warpgroup dots as stored, and the
-query and the softmax weights enter as sums of float8 parts (`_float8_parts`), which the
-dots' padding columns hold at no cost.
+the scores' range.
 """
 
 from __future__ import annotations
@@ -28,11 +25,6 @@ import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import wait_for_inputs
-
-# Float8 dots (`FLOAT8_DOTS`): values are scaled by powers of two into float8 e4m3's range
-# (largest 448), leaving room for rounding up; softmax weights (at most 1) likewise.
-FLOAT8_HEADROOM = tl.constexpr(224.0)
-WEIGHT_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -86,37 +78,6 @@ def _dot_query(query, scale, DOTS_IN_FP16: tl.constexpr):
 
 
 @triton.jit
-def _float8_parts(x, ROWS: tl.constexpr, PARTS: tl.constexpr, WIDTH: tl.constexpr):
-    """x [ROWS, WIDTH] (float32) as [ROWS * PARTS, WIDTH] float8 rows: each row's high part,
-    then what that missed, then what both missed (their sum keeps about float16's precision
-    near the row's largest values), then zeros."""
-    spread = tl.reshape(tl.broadcast_to(x[:, None, :], (ROWS, PARTS, WIDTH)), (ROWS * PARTS, WIDTH))
-    high = spread.to(tl.float8e4nv)
-    rest = spread - high.to(tl.float32)
-    middle = rest.to(tl.float8e4nv)
-    low = (rest - middle.to(tl.float32)).to(tl.float8e4nv)
-    part = (tl.arange(0, ROWS * PARTS) % PARTS)[:, None]
-    return tl.where(part == 0, high, tl.where(part == 1, middle, tl.where(part == 2, low, tl.zeros_like(high))))
-
-
-@triton.jit
-def _sum_parts(x, WIDTH: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr):
-    """x [WIDTH, ROWS * PARTS] -> [WIDTH, ROWS]: each row's parts added up."""
-    return tl.sum(tl.reshape(x, (WIDTH, ROWS, PARTS)), 2)
-
-
-@triton.jit
-def _float8_query(query, scale, ROWS: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The scaled query as _float8_parts, each head first multiplied by a power of two that
-    brings its largest value near half of float8's range (so small values keep their bits),
-    and the [ROWS] factors that undo it on the scores (exactly)."""
-    query = query.to(tl.float32) * scale
-    largest = tl.max(tl.abs(query), 1)
-    factor = tl.where(largest > 0.0, tl.exp2(tl.floor(tl.log2(FLOAT8_HEADROOM / largest))), 1.0)
-    return _float8_parts(query * factor[:, None], ROWS, PARTS, BLOCK_D), 1.0 / factor
-
-
-@triton.jit
 def _block_pages(page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE: tl.constexpr):
     """Where each position's page starts in the pool, its slot there, and whether the page is
     one the sequence uses up to `end` (every slot of it: values may be read by whole pages)."""
@@ -135,15 +96,15 @@ def _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE
 
 
 @triton.jit
-def _softmax_step(scores, row_max, row_sum, KEYS: tl.constexpr):
-    """One online-softmax step over `scores` whose keys run along axis KEYS: the weights, the
-    factor that rescales what was accumulated before, and the new running max and sum."""
-    new_max = tl.maximum(row_max, tl.max(scores, KEYS))
+def _softmax_step(scores, row_max, row_sum):
+    """One online-softmax step over `scores` [rows, keys]: the weights, the factor that
+    rescales what was accumulated before, and the new running max and sum."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
     # Rows that have seen nothing visible yet keep a max of -inf; subtract 0 there, not -inf.
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = tl.exp(row_max - safe_max)
-    weights = tl.exp(scores - tl.expand_dims(safe_max, KEYS))
-    return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, KEYS)
+    weights = tl.exp(scores - safe_max[:, None])
+    return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, 1)
 
 
 @triton.jit
@@ -188,58 +149,8 @@ def _attend_block(
     values = values.to(query.dtype)
     scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
     scores = tl.where(visible, scores, float("-inf"))
-    weights, rescale, new_max, row_sum = _softmax_step(scores, row_max, row_sum, 1)
+    weights, rescale, new_max, row_sum = _softmax_step(scores, row_max, row_sum)
     acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
-    return acc, new_max, row_sum
-
-
-@triton.jit
-def _attend_block_float8(
-    query_parts,
-    unscale,
-    acc,
-    row_max,
-    row_sum,
-    key_cache_ptr,
-    value_cache_ptr,
-    page_table_row_ptr,
-    positions,
-    in_sequence,
-    end,
-    kv_head,
-    visible,
-    stride_cache_head,
-    stride_cache_page,
-    stride_cache_slot,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
-    PARTS: tl.constexpr,
-):
-    """_attend_block on float8 tensor cores, for a float8 pool with values slot-minor: the
-    keys and the values are the dots' float8 operands as stored (no widening), the keys the
-    rows of the first dot, so the softmax runs down columns: `acc` is [dims, ROWS]. The query
-    and the weights enter as float8 parts (_float8_parts), `query_parts` [ROWS * PARTS, dims]
-    with per-head `unscale` factors."""
-    dims = tl.arange(0, BLOCK_D)
-    in_dim = dims < HEAD_DIM
-    page_starts, in_page, page_in_use = _block_pages(
-        page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE
-    )
-    key_offsets = page_starts[:, None] + in_page[:, None] * stride_cache_slot + dims[None, :]
-    keys = tl.load(key_cache_ptr + key_offsets, mask=in_sequence[:, None] & in_dim[None, :], other=0.0)
-    values_mask = page_in_use[:, None] & in_dim[None, :]
-    values = _load_values_by_slot(
-        value_cache_ptr, page_starts[:, None], in_page[:, None], dims, values_mask, PAGE, min(PAGE, BLOCK_N)
-    )
-    values = tl.trans(values)  # [dims, keys]: the second dot's rows
-    scores = _sum_parts(tl.dot(keys, tl.trans(query_parts)), BLOCK_N, ROWS, PARTS) * unscale[None, :]
-    scores = tl.where(visible[:, None], scores, float("-inf"))
-    weights, rescale, new_max, row_sum = _softmax_step(scores, row_max, row_sum, 0)
-    weight_parts = tl.trans(_float8_parts(tl.trans(weights) * WEIGHT_SCALE, ROWS, PARTS, BLOCK_N))
-    acc = acc * rescale[None, :] + _sum_parts(tl.dot(values, weight_parts), BLOCK_D, ROWS, PARTS)
     return acc, new_max, row_sum
 
 
@@ -274,7 +185,6 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
-    FLOAT8_DOTS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     wait_for_inputs(DEPENDENT)
@@ -292,14 +202,8 @@ def decode_kernel(
         mask=io_mask,
         other=0.0,
     )
-    # Float8 dots: columns per head, for its three float8 parts and at least 16 in all.
-    PARTS: tl.constexpr = max(16 // GROUP_PAD, 4)
-    if FLOAT8_DOTS:
-        query_parts, unscale = _float8_query(query, scale, GROUP_PAD, PARTS, BLOCK_D)
-        acc = tl.zeros((BLOCK_D, GROUP_PAD), dtype=tl.float32)
-    else:
-        query, scale = _dot_query(query, scale, DOTS_IN_FP16)
-        acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
+    query, scale = _dot_query(query, scale, DOTS_IN_FP16)
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
     row_max = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     first_position = seq_len * 0  # same integer type as the loaded lengths
@@ -315,61 +219,32 @@ def decode_kernel(
         positions = block_start + tl.arange(0, BLOCK_N)
         in_sequence = positions < end
         visible = in_sequence & (positions >= first_position)
-        if FLOAT8_DOTS:
-            acc, row_max, row_sum = _attend_block_float8(
-                query_parts,
-                unscale,
-                acc,
-                row_max,
-                row_sum,
-                key_cache_ptr,
-                value_cache_ptr,
-                table_row,
-                positions,
-                in_sequence,
-                end,
-                kv_head,
-                visible,
-                stride_cache_head,
-                stride_cache_page,
-                stride_cache_slot,
-                HEAD_DIM,
-                BLOCK_D,
-                PAGE,
-                BLOCK_N,
-                GROUP_PAD,
-                PARTS,
-            )
-        else:
-            acc, row_max, row_sum = _attend_block(
-                query,
-                acc,
-                row_max,
-                row_sum,
-                key_cache_ptr,
-                value_cache_ptr,
-                table_row,
-                positions,
-                in_sequence,
-                end,
-                kv_head,
-                visible[None, :],
-                scale,
-                stride_cache_head,
-                stride_cache_page,
-                stride_cache_slot,
-                HEAD_DIM,
-                BLOCK_D,
-                PAGE,
-                BLOCK_N,
-                PRECISION,
-                VALUES_BY_SLOT,
-            )
+        acc, row_max, row_sum = _attend_block(
+            query,
+            acc,
+            row_max,
+            row_sum,
+            key_cache_ptr,
+            value_cache_ptr,
+            table_row,
+            positions,
+            in_sequence,
+            end,
+            kv_head,
+            visible[None, :],
+            scale,
+            stride_cache_head,
+            stride_cache_page,
+            stride_cache_slot,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            BLOCK_N,
+            PRECISION,
+            VALUES_BY_SLOT,
+        )
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
-    if FLOAT8_DOTS:
-        out = tl.trans(acc) / (seen * WEIGHT_SCALE)[:, None]
-    else:
-        out = acc / seen[:, None]
+    out = acc / seen[:, None]
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
         partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
         empty = row_sum == 0.0

@@ -122,13 +122,9 @@ def decode_attention(
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
     its lengths, so a captured graph stays valid for every step of its bucket. `launch`
-    (num_warps, num_stages, BLOCK_N, FLOAT8_DOTS) overrides the defaults, for sweeps."""
+    (num_warps, num_stages, BLOCK_N) overrides the defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
-    rows = triton.next_power_of_2(group)
-    if launch.get("FLOAT8_DOTS"):
-        _check_float8_dots(query, cache)  # which take the heads as columns: no padding
-    else:
-        rows = max(MIN_DOT_ROWS, rows)
+    rows = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
     if splits > 1:
@@ -144,7 +140,6 @@ def decode_attention(
         SPLIT=splits > 1,
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
         VALUES_BY_SLOT=cache.values_by_slot,
-        FLOAT8_DOTS=False,
         **dependent_launch_args(query.device),
     )
     constants.update(decode_launch(cache, layer.head_dim, splits))
@@ -184,11 +179,6 @@ def decode_attention(
             SPLITS_PAD=triton.next_power_of_2(splits),
             **dependent_launch_args(query.device),
         )
-
-
-def _check_float8_dots(query: torch.Tensor, cache: KVLayerCache) -> None:
-    if not (_dots_in_fp16(query, cache) and cache.values_by_slot):
-        raise ValueError("FLOAT8_DOTS needs a half-precision query over a float8 pool with values slot-minor")
 
 
 def decode_launch(cache: KVLayerCache, head_dim: int, splits: int) -> dict[str, int]:
