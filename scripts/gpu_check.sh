@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh throughput  # 1000 x 128/128 and 1000 x 1000/1000, step timeline
 #   bash scripts/gpu_check.sh attention   # decode attention over bf16 vs float8 pools, 256 x 1500 and batch 1
 #   bash scripts/gpu_check.sh fp8         # float8 decode sweep; 1000 x 1000/1000 and step timelines with float8
+#   bash scripts/gpu_check.sh steps       # device timelines of decode and prefill steps, SM clocks and power
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
 #   bash scripts/gpu_check.sh tp          # two GPUs: TP=2 parity, all-reduce bandwidth, TP=1 vs TP=2
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
@@ -65,6 +66,20 @@ for phase in "${@:-tests}"; do
                 --out "$out/timeline_$kv.json" 2>&1 | tail -n 4
         done
         ;;
+    steps)  # where a 1000 x 1000/1000 run's steps go, per kernel, while the clocks are sampled
+        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+            >"$out/clocks.csv" &
+        sampler=$!
+        for kv in auto fp8; do
+            python3 scripts/step_timeline.py --dummy-config llama-3-8b --dtype bfloat16 --device cuda \
+                --kv-cache-dtype $kv --num-prompts 1000 --input-len 1000 --output-len 1000 \
+                --trace-from 400 --trace-steps 5 --out "/tmp/decode_$kv.json" 2>&1 | grep -v USDT | head -n 12
+            python3 scripts/profile_prefill.py --kv-cache-dtype $kv --out "/tmp/prefill_$kv.json" 2>&1 |
+                grep -v USDT | head -n 40
+            cp "/tmp/decode_$kv.trace.summary.json" "/tmp/prefill_$kv.json" "$out/"
+        done
+        kill $sampler
+        ;;
     long)
         throughput 2048 2048
         ;;
@@ -80,7 +95,7 @@ for phase in "${@:-tests}"; do
         done
         ;;
     *)
-        echo "unknown phase $phase (tests, parity, gemv, latency, throughput, attention, fp8, long, tp)" >&2
+        echo "unknown phase $phase (tests, parity, gemv, latency, throughput, attention, fp8, steps, long, tp)" >&2
         exit 2
         ;;
     esac
