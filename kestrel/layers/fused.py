@@ -131,20 +131,29 @@ def _rotary_kernel(
     stride_x_token,
     stride_x_head,
     stride_cos,
+    num_heads,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
+    """One program per token and HEADS of its heads, which share the token's cos and sin."""
     token = tl.program_id(0)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     cols = tl.arange(0, BLOCK)
     inside = cols < HALF
-    base = x_ptr + token * stride_x_token + head * stride_x_head
-    first = tl.load(base + cols, mask=inside, other=0.0)
-    second = tl.load(base + HALF + cols, mask=inside, other=0.0)
+    mask = (heads < num_heads)[:, None] & inside[None, :]
+    base = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head + cols[None, :]
+    first = tl.load(base, mask=mask, other=0.0)
+    second = tl.load(base + HALF, mask=mask, other=0.0)
     cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
     first, second = rotate_half_pair(first, second, cos_row, sin_row, cols, inside, HALF)
-    tl.store(base + cols, first, mask=inside)
-    tl.store(base + HALF + cols, second, mask=inside)
+    tl.store(base, first, mask=mask)
+    tl.store(base + HALF, second, mask=mask)
+
+
+# Heads one rotary program takes: a program per (token, head) moved 256 bytes of a
+# 128-wide head, and a prefill of 8,000 tokens launched 320,000 of them per layer.
+ROTARY_HEADS = 16
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -152,7 +161,17 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     tokens, heads, head_dim = x.shape
     if tokens:
         half = head_dim // 2
-        _rotary_kernel[(tokens, heads)](
-            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half)
+        per_program = min(ROTARY_HEADS, triton.next_power_of_2(heads))
+        _rotary_kernel[(tokens, triton.cdiv(heads, per_program))](
+            x,
+            cos,
+            sin,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            heads,
+            HALF=half,
+            BLOCK=triton.next_power_of_2(half),
+            HEADS=per_program,
         )
     return x

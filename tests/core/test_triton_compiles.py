@@ -47,6 +47,11 @@ CASES = {
         BF16_ROW | {"residual_ptr": "*bf16", "weight_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"},
         dict(HAS_RESIDUAL=True, DEPENDENT=True, BLOCK=4096),
     ),
+    "rotary": (
+        fused._rotary_kernel,
+        {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},
+        dict(HALF=64, BLOCK=64, HEADS=16),
+    ),
     "store_kv_float8": (
         attention.store_kv_kernel,
         FLOAT8_POOL | {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64"},

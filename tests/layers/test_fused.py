@@ -49,15 +49,17 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_a_strided_view(dtype):
+@pytest.mark.parametrize("kv_heads", [2, fused.ROTARY_HEADS + 4])  # one program; two, the second part-full
+def test_rotary_in_place_on_a_strided_view(dtype, kv_heads):
     torch.manual_seed(3)
-    qkv = torch.randn(6, (4 + 2 + 2) * 64, dtype=dtype, device=DEVICE)
-    key = qkv[:, 4 * 64 : 6 * 64].view(6, 2, 64)
+    qkv = torch.randn(6, (4 + 2 * kv_heads) * 64, dtype=dtype, device=DEVICE)
+    key = qkv[:, 4 * 64 : (4 + kv_heads) * 64].view(6, kv_heads, 64)
     angles = torch.randn(6, 32)
     cos = torch.cat((angles, angles), -1).cos().to(dtype)
     sin = torch.cat((angles, angles), -1).sin().to(dtype)
     expected = ops.rotary(key.cpu().clone(), cos, sin)
-    untouched = qkv[:, : 4 * 64].clone()
+    query, value = qkv[:, : 4 * 64].clone(), qkv[:, (4 + kv_heads) * 64 :].clone()
     fused.rotary_(key, cos.to(DEVICE), sin.to(DEVICE))
     close(key, expected.to(DEVICE))
-    assert torch.equal(qkv[:, : 4 * 64], untouched)  # neighbours in the same rows are left alone
+    # Neighbours in the same rows are left alone.
+    assert torch.equal(qkv[:, : 4 * 64], query) and torch.equal(qkv[:, (4 + kv_heads) * 64 :], value)
