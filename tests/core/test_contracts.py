@@ -197,6 +197,28 @@ def test_triton_store_rounds_to_float8_as_torch_does():
         assert torch.equal(stored, new.to(FLOAT8).view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, FLOAT8])
+def test_triton_store_writes_every_head_of_each_token(dtype):
+    """More kv heads than one store program takes, into either value layout (a float8 pool
+    stores values slot-minor), with values float8 holds exactly (the interpreter's own
+    float8 rounding is not the device's)."""
+    from kestrel.core.attention.triton_paged import STORE_HEADS, TritonPagedBackend, store_kv
+
+    devices = backend_devices(TritonPagedBackend)
+    if not devices:
+        pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
+    torch.manual_seed(0)
+    device, heads = torch.device(devices[0]), STORE_HEADS + 4
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=heads, head_dim=64, dtype=dtype, page_size=16)
+    kv = PagedKVProvider(spec, 4 * spec.bytes_per_page(), device)
+    key, value = ((torch.randn(5, heads, 64) * 4).to(FLOAT8).float() for _ in range(2))
+    slots = torch.tensor([0, 3, 17, 18, 40])
+    store_kv(kv.layer(0), key.to(device), value.to(device), slots.to(device))
+    for pages, new in ((kv.layer(0).key, key), (kv.layer(0).value, value)):
+        stored = pages.view(torch.uint8)[:, slots // 16, slots % 16].view(dtype).transpose(0, 1)
+        assert torch.equal(stored.float().cpu(), new)
+
+
 def test_a_float8_pool_needs_a_backend_that_reads_it():
     needs = BackendRequirements("cpu", torch.float32, 64, False, 16, kv_cache_dtype=FLOAT8)
     assert select_backend(needs).name == "torch"  # the CPU backend's mirror keeps the model dtype

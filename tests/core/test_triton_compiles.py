@@ -55,7 +55,7 @@ CASES = {
     "store_kv_float8": (
         attention.store_kv_kernel,
         FLOAT8_POOL | {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64"},
-        dict(PAGE=16, HEAD_DIM=128, BLOCK_D=128, DEPENDENT=True),
+        dict(PAGE=16, HEAD_DIM=128, BLOCK_D=128, HEADS=8, DEPENDENT=True),
     ),
     "decode_float8": (
         attention.decode_kernel,

@@ -1,6 +1,7 @@
 """Triton kernels over the head-major paged KV pool ([kv_heads, pages, page_size, head_dim]).
 
-- `store_kv_kernel`: one program per (token, kv head) writes the new key and value rows.
+- `store_kv_kernel`: one program per token (and up to 16 kv heads) writes the new key and
+  value rows.
 - `decode_kernel`: one program per (sequence, kv head, split); the GROUP query heads sharing
   that KV head are the rows of one tile, so each KV page is read once per head group. Keys
   are taken BLOCK_N at a time, across several pages, so each step does a sizeable dot. When
@@ -43,28 +44,30 @@ def store_kv_kernel(
     stride_key_cache_slot,
     stride_value_cache_slot,
     stride_value_cache_dim,
+    num_heads,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEADS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
-    """Each (token, kv head)'s key and value into its slot; a pool's values may be stored
-    slot-minor (KVLayerCache), hence their own strides."""
+    """Each token's key and value rows, HEADS kv heads per program, into the token's slot; a
+    pool's values may be stored slot-minor (KVLayerCache), hence their own strides."""
     wait_for_inputs(DEPENDENT)
     token = tl.program_id(0)
-    head = tl.program_id(1)
+    heads = (tl.program_id(1) * HEADS + tl.arange(0, HEADS))[:, None]
     slot = tl.load(slot_ptr + token)
-    dims = tl.arange(0, BLOCK_D)
-    in_dim = dims < HEAD_DIM
-    key = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + dims, mask=in_dim)
-    value = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + dims, mask=in_dim)
-    page_start = head * stride_cache_head + slot // PAGE * stride_cache_page
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (dims < HEAD_DIM)
+    key = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask)
+    value = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask)
+    page_start = heads * stride_cache_head + slot // PAGE * stride_cache_page
     in_page = slot % PAGE
     key_target = page_start + in_page * stride_key_cache_slot + dims
     value_target = page_start + in_page * stride_value_cache_slot + dims * stride_value_cache_dim
     # Through float32: half types have no direct conversion to float8 everywhere.
-    tl.store(key_cache_ptr + key_target, key.to(tl.float32).to(key_cache_ptr.dtype.element_ty), mask=in_dim)
-    tl.store(value_cache_ptr + value_target, value.to(tl.float32).to(value_cache_ptr.dtype.element_ty), mask=in_dim)
+    tl.store(key_cache_ptr + key_target, key.to(tl.float32).to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + value_target, value.to(tl.float32).to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

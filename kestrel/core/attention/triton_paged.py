@@ -22,6 +22,9 @@ from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
 PREFILL_BLOCK_M = 64
 KEY_BLOCK = 64  # keys per inner step: several small pages, or one page of 64 or more
 LARGE_BATCH_KEY_BLOCK = 128  # decode_launch
+# KV heads one store program writes: a program per (token, head) moved 256 bytes of a
+# 128-wide head, tens of thousands of tiny programs per layer in a long prefill.
+STORE_HEADS = 16
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller head groups are padded
 MAX_DECODE_SPLITS = 16
 INTERPRETER_MULTIPROCESSORS = 4  # CPU tensors (Triton's interpreter): small, so tests split
@@ -75,7 +78,8 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
     tokens, heads, head_dim = key.shape
     if tokens == 0:
         return
-    store_kv_kernel[(tokens, heads)](
+    per_program = min(STORE_HEADS, triton.next_power_of_2(heads))
+    store_kv_kernel[(tokens, triton.cdiv(heads, per_program))](
         key,
         value,
         cache.key,
@@ -90,9 +94,11 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
         cache.key.stride(2),
         cache.value.stride(2),
         cache.value.stride(3),
+        heads,
         PAGE=page_size_of(cache),
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
+        HEADS=per_program,
         **dependent_launch_args(key.device),
     )
 
