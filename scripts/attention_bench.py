@@ -6,18 +6,21 @@ a sweep of warps, pipeline stages, key blocks and key splits.
 
 `--quick` times only the default launch, with the default key splits. `--float8-stages`
 sweeps the float8 pool alone over deeper pipelines (its tiles take half the shared memory).
+`--prefill` times the prefill kernel instead: `--prefill-seqs` fresh prompts of `--context`
+tokens (causal), in TFLOP/s, over query blocks, key blocks, warps and stages.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
 
 from kestrel.core.attention.base import AttentionLayerSpec
-from kestrel.core.attention.triton_paged import decode_attention
-from kestrel.core.metadata import DecodeMetadata
+from kestrel.core.attention.triton_paged import decode_attention, prefill_attention
+from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVCacheSpec, PagedKVProvider
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -51,7 +54,11 @@ def main() -> None:
     parser.add_argument("--float8-stages", action="store_true")
     parser.add_argument("--pool-pages", type=int, default=None, help="pool size in pages (default: the batch's)")
     parser.add_argument("--interleaved", action="store_true", help="pages as an engine hands them out")
+    parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--prefill-seqs", type=int, default=8)
     args = parser.parse_args()
+    if args.prefill:
+        return prefill_sweep(args.prefill_seqs, args.context, args.quick)
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     query = torch.randn(args.batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     output = torch.empty_like(query)
@@ -82,15 +89,56 @@ def main() -> None:
 
 
 def time_decode(query, kv, meta, layer, output, launch: dict, splits: int | None) -> float:
+    return milliseconds_per_call(lambda: decode_attention(query, kv.layer(0), meta, layer, output, splits, **launch))
+
+
+def milliseconds_per_call(call, repeats: int = 20) -> float:
     for _ in range(3):
-        decode_attention(query, kv.layer(0), meta, layer, output, splits, **launch)
+        call()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(20):
-        decode_attention(query, kv.layer(0), meta, layer, output, splits, **launch)
+    for _ in range(repeats):
+        call()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 20
+    return start.elapsed_time(end) / repeats
+
+
+def prefill_sweep(seqs: int, length: int, quick: bool) -> None:
+    """Fresh prompts (nothing cached), as a throughput run's prefill steps take them."""
+    layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    query = torch.randn(seqs * length, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    output = torch.empty_like(query)
+    starts = [index * length for index in range(seqs + 1)]
+    flops = seqs * 4 * HEADS * HEAD_DIM * length * (length + 1) / 2  # causal: half the scores
+    launches = [{}]
+    if not quick:
+        launches += [
+            {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+            for m in (64, 128)
+            for n in (32, 64, 128)
+            for w in (4, 8)
+            for s in (2, 3)
+        ]
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        kv, decode = pool(dtype, seqs, length)
+        meta = PrefillMetadata(
+            query_start_loc=tuple(starts),
+            num_cached_tokens=(0,) * seqs,
+            seq_lens=(length,) * seqs,
+            page_table=decode.page_table,
+            query_start_loc_tensor=torch.tensor(starts, device="cuda"),
+            num_cached_tokens_tensor=torch.zeros(seqs, dtype=torch.long, device="cuda"),
+            max_query_len=length,
+        )
+        for launch in launches:
+            try:
+                call = functools.partial(prefill_attention, query, kv.layer(0), meta, layer, output, **launch)
+                ms = milliseconds_per_call(call)
+            except Exception as error:  # e.g. out of shared memory: reported, and the sweep goes on
+                print(f"{str(dtype):<22}{launch}: {type(error).__name__}")
+                continue
+            print(f"{str(dtype):<22}{str(launch):<70}{ms * 1e3:>9.1f} us {flops / ms / 1e9:>8.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

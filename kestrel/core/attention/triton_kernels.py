@@ -7,8 +7,9 @@
   are taken BLOCK_N at a time, across several pages, so each step does a sizeable dot. When
   a batch has too few (sequence, kv head) pairs to fill the GPU, the keys are split across
   programs (flash-decoding) and `combine_splits_kernel` merges their partial softmaxes.
-- `prefill_kernel`: one program per (sequence, query head, block of query rows); walks the
-  sequence's pages (cached prefix and new tokens alike) with causal and window masks.
+- `prefill_kernel`: one program per (sequence, query head, block of query rows), the last
+  blocks first; walks the sequence's pages (cached prefix and new tokens alike) with
+  causal and window masks.
 Both attention kernels use an online softmax (FlashAttention-style) in float32. The store
 and decode kernels may be launched as dependent (core/runtime/dependent_launch.py).
 
@@ -329,7 +330,8 @@ def prefill_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    block = tl.program_id(2)
+    # Later query blocks see more keys: launched first, the longest programs do not trail.
+    block = tl.num_programs(2) - 1 - tl.program_id(2)
     query_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - query_start
     if block * BLOCK_M >= query_len:

@@ -215,11 +215,28 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def prefill_attention(
-    query: torch.Tensor, cache: KVLayerCache, meta: PrefillMetadata, layer: AttentionLayerSpec, output: torch.Tensor
+    query: torch.Tensor,
+    cache: KVLayerCache,
+    meta: PrefillMetadata,
+    layer: AttentionLayerSpec,
+    output: torch.Tensor,
+    **launch: int,
 ) -> None:
-    num_seqs = len(meta.seq_lens)
-    blocks = triton.cdiv(meta.max_query_len, PREFILL_BLOCK_M)
-    prefill_kernel[(num_seqs, layer.num_heads, blocks)](
+    """`launch` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the defaults, for sweeps."""
+    constants = dict(
+        GROUP=layer.num_heads // layer.num_kv_heads,
+        HEAD_DIM=layer.head_dim,
+        BLOCK_D=_block_d(layer.head_dim),
+        BLOCK_M=PREFILL_BLOCK_M,
+        PAGE=page_size_of(cache),
+        BLOCK_N=key_block(cache),
+        PRECISION=_precision(query),
+        DOTS_IN_FP16=_dots_in_fp16(query, cache),
+        VALUES_BY_SLOT=cache.values_by_slot,
+    )
+    constants.update(launch)
+    blocks = triton.cdiv(meta.max_query_len, constants["BLOCK_M"])
+    prefill_kernel[(len(meta.seq_lens), layer.num_heads, blocks)](
         query,
         cache.key,
         cache.value,
@@ -237,15 +254,7 @@ def prefill_attention(
         meta.page_table.stride(0),
         layer.scale,
         _window(layer),
-        GROUP=layer.num_heads // layer.num_kv_heads,
-        HEAD_DIM=layer.head_dim,
-        BLOCK_D=_block_d(layer.head_dim),
-        BLOCK_M=PREFILL_BLOCK_M,
-        PAGE=page_size_of(cache),
-        BLOCK_N=key_block(cache),
-        PRECISION=_precision(query),
-        DOTS_IN_FP16=_dots_in_fp16(query, cache),
-        VALUES_BY_SLOT=cache.values_by_slot,
+        **constants,
     )
 
 
