@@ -8,6 +8,7 @@
 #   bash scripts/gpu_check.sh attention   # decode attention over bf16 vs float8 pools, 256 x 1500 and batch 1
 #   bash scripts/gpu_check.sh fp8         # float8 decode sweep; 1000 x 1000/1000 and step timelines with float8
 #   bash scripts/gpu_check.sh steps       # device timelines of decode and prefill steps, SM clocks and power
+#   bash scripts/gpu_check.sh prefill     # the prefill kernel's launch sweep, then whole prefill steps per kernel
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
 #   bash scripts/gpu_check.sh tp          # two GPUs: TP=2 parity, all-reduce bandwidth, TP=1 vs TP=2
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
@@ -80,6 +81,11 @@ for phase in "${@:-tests}"; do
         done
         kill $sampler
         ;;
+    prefill)  # 8 fresh prompts of 1,000 tokens: the kernel alone, then engine steps traced
+        python3 scripts/attention_bench.py --prefill --context 1000 2>&1 | tee "$out/prefill_sweep.log"
+        python3 scripts/profile_prefill.py --out "/tmp/prefill.json" 2>&1 | grep -v USDT | head -n 40
+        cp /tmp/prefill.json "$out/"
+        ;;
     long)
         throughput 2048 2048
         ;;
@@ -95,7 +101,7 @@ for phase in "${@:-tests}"; do
         done
         ;;
     *)
-        echo "unknown phase $phase (tests, parity, gemv, latency, throughput, attention, fp8, steps, long, tp)" >&2
+        echo "unknown phase $phase (tests, parity, gemv, latency, throughput, attention, fp8, steps, prefill, long, tp)" >&2
         exit 2
         ;;
     esac
