@@ -28,6 +28,8 @@ import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import wait_for_inputs
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def store_kv_kernel(
@@ -73,7 +75,10 @@ def store_kv_kernel(
 
 @triton.jit
 def _dot_query(query, scale, DOTS_IN_FP16: tl.constexpr):
-    """The query as the dots take it, and the scale still to apply to their scores."""
+    """The query as the dots take it, and the factor still to apply to their scores: the
+    softmax scale times log2(e), so that the online softmax takes base-2 exponentials (one
+    multiply fewer per score than `tl.exp`, which scales its argument by log2(e) itself)."""
+    scale = scale * LOG2E
     # One return: Triton requires every return of a function to give the same types.
     if DOTS_IN_FP16:
         query = (query.to(tl.float32) * scale).to(tl.float16)
@@ -101,13 +106,14 @@ def _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE
 
 @triton.jit
 def _softmax_step(scores, row_max, row_sum):
-    """One online-softmax step over `scores` [rows, keys]: the weights, the factor that
-    rescales what was accumulated before, and the new running max and sum."""
+    """One online-softmax step over `scores` [rows, keys], in base 2 (scores carry the
+    factor log2(e)): the weights, the factor that rescales what was accumulated before,
+    and the new running max and sum."""
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     # Rows that have seen nothing visible yet keep a max of -inf; subtract 0 there, not -inf.
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp(row_max - safe_max)
-    weights = tl.exp(scores - safe_max[:, None])
+    rescale = tl.exp2(row_max - safe_max)
+    weights = tl.exp2(scores - safe_max[:, None])
     return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, 1)
 
 
@@ -252,7 +258,7 @@ def decode_kernel(
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
         partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
         empty = row_sum == 0.0
-        lse = tl.where(empty, float("-inf"), row_max + tl.log(tl.where(empty, 1.0, row_sum)))
+        lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))  # base 2
         tl.store(partial_lse_ptr + partial, lse, mask=row_ok)
         tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
     else:
@@ -277,7 +283,7 @@ def combine_splits_kernel(
     DEPENDENT: tl.constexpr,
 ):
     """One program per (sequence, query head): the splits' outputs weighted by their share
-    of the softmax mass (exp of each split's log-sum-exp)."""
+    of the softmax mass (2 to the power of each split's base-2 log-sum-exp)."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -287,7 +293,7 @@ def combine_splits_kernel(
     first = (seq * tl.num_programs(1) + head) * num_splits
     lse = tl.load(partial_lse_ptr + first + splits, mask=in_split, other=float("-inf"))
     top = tl.max(lse, 0)
-    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
+    weights = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
     mask = in_split[:, None] & (dims < HEAD_DIM)[None, :]
     parts = tl.load(partial_out_ptr + (first + splits)[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
     total = tl.sum(weights, 0)
