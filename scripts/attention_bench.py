@@ -5,7 +5,8 @@ a sweep of warps, pipeline stages, key blocks and key splits.
     python scripts/attention_bench.py [--batch 256] [--context 1500] [--quick]
 
 `--quick` times only the default launch, with the default key splits. `--float8-stages`
-sweeps the float8 pool alone over deeper pipelines (its tiles take half the shared memory).
+sweeps the float8 pool alone over deeper pipelines (its tiles take half the shared memory)
+and fewer warps (one warp holds a whole tile: no exchange between warps in each block).
 `--prefill` times the prefill kernel instead: `--prefill-seqs` fresh prompts of `--context`
 tokens (causal), in TFLOP/s, over query blocks, key blocks, warps and stages.
 """
@@ -72,7 +73,7 @@ def main() -> None:
     if args.float8_stages:
         dtypes, splits_tried = (torch.float8_e4m3fn,), (None, 2)
         launches = [{}] + [
-            {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (4, 8) for s in (2, 3, 4) for n in (64, 128)
+            {"num_warps": w, "num_stages": s, "BLOCK_N": n} for w in (1, 2, 4, 8) for s in (2, 3, 4) for n in (64, 128)
         ]
     for dtype in dtypes:
         kv, meta = pool(dtype, args.batch, args.context, args.pool_pages, args.interleaved)
