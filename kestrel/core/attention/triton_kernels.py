@@ -87,12 +87,24 @@ def _dot_query(query, scale, DOTS_IN_FP16: tl.constexpr):
 
 
 @triton.jit
-def _block_pages(page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE: tl.constexpr):
-    """Where each position's page starts in the pool, its slot there, and whether the page is
-    one the sequence uses up to `end` (every slot of it: values may be read by whole pages)."""
-    page_in_use = positions // PAGE < tl.cdiv(end, PAGE)
-    pages = tl.load(page_table_row_ptr + positions // PAGE, mask=page_in_use, other=0)
-    return kv_head * stride_cache_head + pages * stride_cache_page, positions % PAGE, page_in_use
+def _block_pages(
+    page_table_row_ptr,
+    positions,
+    end,
+    kv_head,
+    stride_cache_head,
+    stride_cache_page,
+    PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Where each position's page starts in the pool and its slot there. MASKED, only the
+    pages the sequence uses up to `end` are looked up (every slot of such a page may be
+    read: values are read by whole pages); the others read page 0."""
+    if MASKED:
+        pages = tl.load(page_table_row_ptr + positions // PAGE, mask=positions // PAGE < tl.cdiv(end, PAGE), other=0)
+    else:
+        pages = tl.load(page_table_row_ptr + positions // PAGE)
+    return kv_head * stride_cache_head + pages * stride_cache_page, positions % PAGE
 
 
 @triton.jit
@@ -118,7 +130,9 @@ def _softmax_step(scores, row_max, row_sum):
 
 
 @triton.jit
-def _attend_block(
+def _attend_range(
+    first,
+    stop,
     query,
     acc,
     row_max,
@@ -126,11 +140,10 @@ def _attend_block(
     key_cache_ptr,
     value_cache_ptr,
     page_table_row_ptr,
-    positions,
-    in_sequence,
+    query_positions,
     end,
+    window,
     kv_head,
-    visible,
     scale,
     stride_cache_head,
     stride_cache_page,
@@ -141,27 +154,42 @@ def _attend_block(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """One online-softmax update of `acc` with the keys and values at `positions`, which may
-    span several pages (looked up in the sequence's page-table row)."""
+    """Online-softmax updates of `acc` with the key blocks from `first` to `stop`, which
+    may span several pages (looked up in the sequence's page-table row). Rows are queries
+    at `query_positions`, seeing keys before `end`, causally, within `window` (0: no
+    window). Unless MASKED, every key of every block is visible to every row: no masks,
+    which cost as many instructions per block as the dots' own work."""
     dims = tl.arange(0, BLOCK_D)
-    page_starts, in_page, page_in_use = _block_pages(
-        page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE
-    )
-    page_starts, in_page, in_dim = page_starts[:, None], in_page[:, None], (dims < HEAD_DIM)[None, :]
-    offsets = page_starts + in_page * stride_cache_slot + dims[None, :]
-    keys = tl.load(key_cache_ptr + offsets, mask=in_sequence[:, None] & in_dim, other=0.0).to(query.dtype)
-    if VALUES_BY_SLOT:
-        mask = page_in_use[:, None] & in_dim
-        values = _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE, min(PAGE, BLOCK_N))
-    else:
-        values = tl.load(value_cache_ptr + offsets, mask=in_sequence[:, None] & in_dim, other=0.0)
-    values = values.to(query.dtype)
-    scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
-    scores = tl.where(visible, scores, float("-inf"))
-    weights, rescale, new_max, row_sum = _softmax_step(scores, row_max, row_sum)
-    acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
-    return acc, new_max, row_sum
+    in_dim = (dims < HEAD_DIM)[None, :]
+    for block_start in range(first, stop, BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        page_starts, in_page = _block_pages(
+            page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE, MASKED
+        )
+        offsets = page_starts[:, None] + in_page[:, None] * stride_cache_slot + dims[None, :]
+        in_sequence = positions < end
+        key_mask = in_sequence[:, None] & in_dim if MASKED else in_dim
+        keys = tl.load(key_cache_ptr + offsets, mask=key_mask, other=0.0).to(query.dtype)
+        if VALUES_BY_SLOT:
+            # Whole pages (as _block_pages keeps them), so runs along the slots stay vectors.
+            value_mask = (positions // PAGE < tl.cdiv(end, PAGE))[:, None] & in_dim if MASKED else in_dim
+            values = _load_values_by_slot(
+                value_cache_ptr, page_starts[:, None], in_page[:, None], dims, value_mask, PAGE, min(PAGE, BLOCK_N)
+            )
+        else:
+            values = tl.load(value_cache_ptr + offsets, mask=key_mask, other=0.0)
+        values = values.to(query.dtype)
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
+        if MASKED:
+            causal = positions[None, :] <= query_positions[:, None]
+            in_window = (window == 0) | (positions[None, :] > query_positions[:, None] - window)
+            scores = tl.where(causal & in_window & in_sequence[None, :], scores, float("-inf"))
+        weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
+        acc = acc * rescale[:, None]
+        acc += tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
+    return acc, row_max, row_sum
 
 
 @triton.jit
@@ -225,34 +253,63 @@ def decode_kernel(
     blocks_per_split = tl.cdiv(tl.cdiv(seq_len - first_block, BLOCK_N), num_splits)
     begin = first_block + split * blocks_per_split * BLOCK_N
     end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
-    for block_start in range(begin, end, BLOCK_N):
-        positions = block_start + tl.arange(0, BLOCK_N)
-        in_sequence = positions < end
-        visible = in_sequence & (positions >= first_position)
-        acc, row_max, row_sum = _attend_block(
-            query,
-            acc,
-            row_max,
-            row_sum,
-            key_cache_ptr,
-            value_cache_ptr,
-            table_row,
-            positions,
-            in_sequence,
-            end,
-            kv_head,
-            visible[None, :],
-            scale,
-            stride_cache_head,
-            stride_cache_page,
-            stride_cache_slot,
-            HEAD_DIM,
-            BLOCK_D,
-            PAGE,
-            BLOCK_N,
-            PRECISION,
-            VALUES_BY_SLOT,
-        )
+    # Whole blocks of a window-less sequence are visible to every row: no masks there.
+    whole_end = begin + tl.maximum(end - begin, 0) // BLOCK_N * BLOCK_N  # an empty split: begin
+    if window > 0:
+        whole_end = begin
+    query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
+    acc, row_max, row_sum = _attend_range(
+        begin,
+        whole_end,
+        query,
+        acc,
+        row_max,
+        row_sum,
+        key_cache_ptr,
+        value_cache_ptr,
+        table_row,
+        query_positions,
+        end,
+        window,
+        kv_head,
+        scale,
+        stride_cache_head,
+        stride_cache_page,
+        stride_cache_slot,
+        HEAD_DIM,
+        BLOCK_D,
+        PAGE,
+        BLOCK_N,
+        PRECISION,
+        VALUES_BY_SLOT,
+        False,
+    )
+    acc, row_max, row_sum = _attend_range(
+        whole_end,
+        end,
+        query,
+        acc,
+        row_max,
+        row_sum,
+        key_cache_ptr,
+        value_cache_ptr,
+        table_row,
+        query_positions,
+        end,
+        window,
+        kv_head,
+        scale,
+        stride_cache_head,
+        stride_cache_page,
+        stride_cache_slot,
+        HEAD_DIM,
+        BLOCK_D,
+        PAGE,
+        BLOCK_N,
+        PRECISION,
+        VALUES_BY_SLOT,
+        True,
+    )
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
     out = acc / seen[:, None]
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
@@ -362,36 +419,64 @@ def prefill_kernel(
         first_position = tl.maximum(cached + block * BLOCK_M - window + 1, 0)
     kv_head = head // GROUP
     table_row = page_table_ptr + seq * stride_page_table
-    for block_start in range(first_position // BLOCK_N * BLOCK_N, end, BLOCK_N):
-        positions = block_start + tl.arange(0, BLOCK_N)
-        in_sequence = positions < end
-        visible = (positions[None, :] <= query_positions[:, None]) & in_sequence[None, :]
-        if window > 0:
-            visible = visible & (positions[None, :] > query_positions[:, None] - window)
-        acc, row_max, row_sum = _attend_block(
-            query,
-            acc,
-            row_max,
-            row_sum,
-            key_cache_ptr,
-            value_cache_ptr,
-            table_row,
-            positions,
-            in_sequence,
-            end,
-            kv_head,
-            visible,
-            scale,
-            stride_cache_head,
-            stride_cache_page,
-            stride_cache_slot,
-            HEAD_DIM,
-            BLOCK_D,
-            PAGE,
-            BLOCK_N,
-            PRECISION,
-            VALUES_BY_SLOT,
-        )
+    first = first_position // BLOCK_N * BLOCK_N
+    # Key blocks wholly at or before the first row's position are visible to every row
+    # (without a window): no masks there.
+    whole_end = (cached + block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    if window > 0:
+        whole_end = first
+    acc, row_max, row_sum = _attend_range(
+        first,
+        whole_end,
+        query,
+        acc,
+        row_max,
+        row_sum,
+        key_cache_ptr,
+        value_cache_ptr,
+        table_row,
+        query_positions,
+        end,
+        window,
+        kv_head,
+        scale,
+        stride_cache_head,
+        stride_cache_page,
+        stride_cache_slot,
+        HEAD_DIM,
+        BLOCK_D,
+        PAGE,
+        BLOCK_N,
+        PRECISION,
+        VALUES_BY_SLOT,
+        False,
+    )
+    acc, row_max, row_sum = _attend_range(
+        whole_end,
+        end,
+        query,
+        acc,
+        row_max,
+        row_sum,
+        key_cache_ptr,
+        value_cache_ptr,
+        table_row,
+        query_positions,
+        end,
+        window,
+        kv_head,
+        scale,
+        stride_cache_head,
+        stride_cache_page,
+        stride_cache_slot,
+        HEAD_DIM,
+        BLOCK_D,
+        PAGE,
+        BLOCK_N,
+        PRECISION,
+        VALUES_BY_SLOT,
+        True,
+    )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # padded rows saw nothing
     tl.store(
         out_ptr + (query_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
