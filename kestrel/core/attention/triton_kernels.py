@@ -97,14 +97,16 @@ def _block_pages(
     PAGE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Where each position's page starts in the pool and its slot there. MASKED, only the
-    pages the sequence uses up to `end` are looked up (every slot of such a page may be
-    read: values are read by whole pages); the others read page 0."""
+    """Where each position's page starts in the pool, its slot there, and whether the page is
+    one the sequence uses up to `end` (every slot of it: values may be read by whole pages).
+    MASKED, only those pages are looked up (the others read page 0); unmasked, every
+    position is known to be in use."""
+    page_in_use = positions // PAGE < tl.cdiv(end, PAGE)
     if MASKED:
-        pages = tl.load(page_table_row_ptr + positions // PAGE, mask=positions // PAGE < tl.cdiv(end, PAGE), other=0)
+        pages = tl.load(page_table_row_ptr + positions // PAGE, mask=page_in_use, other=0)
     else:
         pages = tl.load(page_table_row_ptr + positions // PAGE)
-    return kv_head * stride_cache_head + pages * stride_cache_page, positions % PAGE
+    return kv_head * stride_cache_head + pages * stride_cache_page, positions % PAGE, page_in_use
 
 
 @triton.jit
@@ -165,7 +167,7 @@ def _attend_range(
     in_dim = (dims < HEAD_DIM)[None, :]
     for block_start in range(first, stop, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
-        page_starts, in_page = _block_pages(
+        page_starts, in_page, page_in_use = _block_pages(
             page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE, MASKED
         )
         offsets = page_starts[:, None] + in_page[:, None] * stride_cache_slot + dims[None, :]
@@ -173,8 +175,7 @@ def _attend_range(
         key_mask = in_sequence[:, None] & in_dim if MASKED else in_dim
         keys = tl.load(key_cache_ptr + offsets, mask=key_mask, other=0.0).to(query.dtype)
         if VALUES_BY_SLOT:
-            # Whole pages (as _block_pages keeps them), so runs along the slots stay vectors.
-            value_mask = (positions // PAGE < tl.cdiv(end, PAGE))[:, None] & in_dim if MASKED else in_dim
+            value_mask = page_in_use[:, None] & in_dim if MASKED else in_dim  # whole pages: vector loads
             values = _load_values_by_slot(
                 value_cache_ptr, page_starts[:, None], in_page[:, None], dims, value_mask, PAGE, min(PAGE, BLOCK_N)
             )
