@@ -94,12 +94,19 @@ def time_decode(query, kv, meta, layer, output, launch: dict, splits: int | None
 
 
 def milliseconds_per_call(call, repeats: int = 20) -> float:
+    """Device time per call: `repeats` calls captured in one CUDA graph and replayed, so a
+    small launch (batch 1) is not timed as the host's launch overhead."""
     for _ in range(3):
         call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            call()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(repeats):
-        call()
+    graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / repeats
