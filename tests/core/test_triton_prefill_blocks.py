@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(not DEVICES, reason="needs CUDA or Triton's inte
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("launch", [{}, {"BLOCK_M": 16, "BLOCK_N": 16}, {"BLOCK_M": 32, "BLOCK_N": 16}])
+@pytest.mark.parametrize(
+    "launch", [{}, {"BLOCK_M": 16, "BLOCK_N": 16}, {"BLOCK_M": 32, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 64}]
+)
 def test_prefill_matches_dense_attention_across_whole_and_edge_blocks(window, launch):
     torch.manual_seed(0)
     device = torch.device(DEVICES[0])
