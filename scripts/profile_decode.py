@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel import LLM, SamplingParams
+from kestrel.bench.trace import device_timeline
 from kestrel.core.graph import GraphKey, GraphPhase
 
 
@@ -47,30 +48,18 @@ def kernel_table(graphs, size: int, path: Path) -> None:
 
 
 def replay_timeline(graphs, size: int, path: Path) -> dict[str, float]:
-    """Kernels of one graph replay as the device ran them (dependent launches included):
-    each kernel's name, start and duration in microseconds, relative to the first, and the
-    total of each name. Written to `path` as JSON; the summary is returned."""
+    """Kernels of one graph replay as the device ran them (dependent launches included): the
+    Chrome trace beside `path`, its summary (kestrel/bench/trace.py) in it; the span and
+    busy time are returned."""
     graph = graphs._graphs[GraphKey(GraphPhase.DECODE, size)]
     graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    trace = path.with_suffix(".trace.json")
-    prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    if not kernels:
-        return {"kernels": 0}
-    origin = kernels[0]["ts"]
-    rows = [{"name": k["name"][:60], "start_us": k["ts"] - origin, "us": k["dur"]} for k in kernels]
-    totals: dict[str, float] = {}
-    for row in rows:
-        totals[row["name"]] = totals.get(row["name"], 0.0) + row["us"]
-    span = kernels[-1]["ts"] + kernels[-1]["dur"] - origin
-    busy = sum(row["us"] for row in rows)
-    path.write_text(json.dumps({"span_us": span, "kernel_us": busy, "totals_us": totals, "kernels": rows}, indent=1))
-    return {"kernels": len(rows), "span_us": span, "sum_kernel_us": busy}
+    summary = device_timeline(prof, path.with_suffix(".trace.json"))
+    path.write_text(json.dumps(summary, indent=1))
+    return {k: v for k, v in summary.items() if k in ("device_events", "span_ms_per_step", "busy_ms_per_step")}
 
 
 def linear_bandwidth(device: torch.device) -> dict[str, float]:

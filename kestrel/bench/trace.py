@@ -34,6 +34,7 @@ def device_timeline(prof, trace_path: Path, steps: int = 1, gap_us: float = 20.0
         totals[event["name"][:70]] += event["dur"]
     longest = sorted(gaps, reverse=True)[:10]
     return {
+        "device_events": len(device),
         "steps": steps,
         "span_ms_per_step": span / steps / 1e3,
         "busy_ms_per_step": busy / steps / 1e3,

@@ -32,6 +32,7 @@ def test_busy_time_is_the_union_and_gaps_name_the_host_calls_inside(tmp_path):
         {"cat": "cpu_op", "name": "aten::copy_", "ts": 0, "dur": 10},  # before the gap
     ]
     summary = device_timeline(RecordedTrace(events), tmp_path / "trace.json", steps=2)
+    assert summary["device_events"] == 3
     assert summary["span_ms_per_step"] == pytest.approx(0.25)
     assert summary["busy_ms_per_step"] == pytest.approx(0.125)
     assert summary["idle_ms_per_step"] == pytest.approx(0.125)
