@@ -130,7 +130,6 @@ def decode_attention(
     its lengths, so a captured graph stays valid for every step of its bucket. `launch`
     (num_warps, num_stages, BLOCK_N) overrides the defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
-    rows = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
     if splits > 1:
@@ -138,7 +137,7 @@ def decode_attention(
         partial_lse = query.new_empty((meta.num_seqs, layer.num_heads, splits), dtype=torch.float32)
     constants = dict(
         GROUP=group,
-        GROUP_PAD=rows,
+        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=layer.head_dim,
         BLOCK_D=_block_d(layer.head_dim),
         PAGE=page_size_of(cache),
