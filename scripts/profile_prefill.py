@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.bench.throughput import matmul_flops_per_s, random_prompts
+from kestrel.bench.throughput import decoder_and_head_params, matmul_flops_per_s, random_prompts
 from kestrel.bench.trace import device_timeline
 
 
@@ -83,8 +83,7 @@ def main() -> None:
     tokens = per_step * args.input_len + args.decode_rows
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     rate = matmul_flops_per_s(budget, spec, dtype, torch.device(args.device))
-    lm_head = spec.vocab_size * spec.hidden_size
-    decoder = spec.num_parameters() - lm_head * (1 if spec.tie_word_embeddings else 2)
+    decoder, lm_head = decoder_and_head_params(spec)
     sampled = args.decode_rows + per_step  # only sampled positions reach the LM head
     matmul_ms = 2 * (decoder * tokens + lm_head * sampled) / rate * 1e3
     report = {

@@ -87,15 +87,21 @@ def matmul_flops_per_s(tokens: int, spec: ModelSpec, dtype: torch.dtype, device:
     return 2 * tokens * spec.hidden_size * spec.intermediate_size / seconds
 
 
+def decoder_and_head_params(spec: ModelSpec) -> tuple[int, int]:
+    """Parameters every token multiplies (the decoder layers'), and the LM head's, which
+    only sampled positions reach; the embedding table is looked up, not multiplied."""
+    lm_head = spec.vocab_size * spec.hidden_size
+    embeddings = lm_head * (1 if spec.tie_word_embeddings else 2)
+    return spec.num_parameters() - embeddings, lm_head
+
+
 def compute_limit_tokens_per_s(spec: ModelSpec, prompts: int, input_len: int, output_len: int, rate: float) -> float:
     """Output tokens/s if every necessary FLOP ran at `rate`.
 
     Every token goes through the decoder layers (2 x their params); only sampled positions
     (one per output token) go through the LM head; attention adds 4 x heads x dim x context.
     """
-    lm_head = spec.vocab_size * spec.hidden_size
-    embeddings = lm_head * (1 if spec.tie_word_embeddings else 2)
-    decoder_params = spec.num_parameters() - embeddings
+    decoder_params, lm_head = decoder_and_head_params(spec)
     tokens = prompts * (input_len + output_len)
     mean_context = (input_len + output_len) / 2
     attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * mean_context * tokens
