@@ -60,19 +60,20 @@ CASES = {
     "decode_float8": (
         attention.decode_kernel,
         ATTENTION | FLOAT8_POOL,
-        DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, DEPENDENT=True),
+        DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, WHOLE_BLOCKS=False, DEPENDENT=True),
     ),
     "decode_split_bf16": (
         attention.decode_kernel,
         ATTENTION | BF16_POOL,
-        DECODE | dict(SPLIT=True, DOTS_IN_FP16=False, VALUES_BY_SLOT=False, DEPENDENT=True),
+        DECODE | dict(SPLIT=True, DOTS_IN_FP16=False, VALUES_BY_SLOT=False, WHOLE_BLOCKS=True, DEPENDENT=True),
     ),
     # decode_launch's large-batch setting, with the widest pool it may read (float32).
     "decode_large_batch_float32": (
         attention.decode_kernel,
         ATTENTION | {"query_ptr": "*fp32", "key_cache_ptr": "*fp32", "value_cache_ptr": "*fp32"},
         DECODE
-        | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, VALUES_BY_SLOT=False, DEPENDENT=True),
+        | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, VALUES_BY_SLOT=False)
+        | dict(WHOLE_BLOCKS=False, DEPENDENT=True),
     ),
     "combine_splits": (
         attention.combine_splits_kernel,

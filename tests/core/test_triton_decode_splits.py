@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not DEVICES, reason="needs CUDA or Triton's inte
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
 @pytest.mark.parametrize("window", [None, 50])
-def test_split_decode_matches_dense_attention(num_splits, window):
+@pytest.mark.parametrize("whole_blocks", [False, True])  # every block masked, or the whole ones not
+def test_split_decode_matches_dense_attention(num_splits, window, whole_blocks):
     torch.manual_seed(0)
     device = torch.device(DEVICES[0])
     heads, kv_heads, dim, page_size = 8, 2, 64, 16
@@ -38,7 +39,9 @@ def test_split_decode_matches_dense_attention(num_splits, window):
     decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
     query = torch.randn(len(lengths), heads, dim)
     output = torch.empty_like(query).to(device)
-    decode_attention(query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits)
+    decode_attention(
+        query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits, WHOLE_BLOCKS=whole_blocks
+    )
     for row, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
         expected = dense_reference(query[row : row + 1], keys, values, length - 1, layer.scale, window)
         torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
@@ -68,7 +71,10 @@ QUERY_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICES[:1] == ["cuda"] el
     ],
 )
 @pytest.mark.parametrize("dtype", QUERY_DTYPES)
-def test_decode_over_a_float8_pool_matches_dense_attention(heads, num_splits, window, dim, page_size, dtype):
+@pytest.mark.parametrize("whole_blocks", [False, True])
+def test_decode_over_a_float8_pool_matches_dense_attention(
+    heads, num_splits, window, dim, page_size, dtype, whole_blocks
+):
     """A float8 pool (values slot-minor, read by whole pages, widened to float16 for the
     dots) gives the dense attention over the rounded context within half-precision
     tolerance, for head groups of 1, 2, 4 and 8, split or not, never showing stale slots."""
@@ -92,7 +98,9 @@ def test_decode_over_a_float8_pool_matches_dense_attention(heads, num_splits, wi
     decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
     query = torch.randn(len(lengths), heads, dim, dtype=dtype)
     output = torch.empty_like(query).to(device)
-    decode_attention(query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits)
+    decode_attention(
+        query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits, WHOLE_BLOCKS=whole_blocks
+    )
     for row, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
         expected = dense_reference(query[row : row + 1].float(), keys, values, length - 1, layer.scale, window)
         torch.testing.assert_close(output[row : row + 1].float().cpu(), expected, atol=2e-2, rtol=2e-2)

@@ -224,6 +224,7 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
+    WHOLE_BLOCKS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     wait_for_inputs(DEPENDENT)
@@ -254,12 +255,14 @@ def decode_kernel(
     blocks_per_split = tl.cdiv(tl.cdiv(seq_len - first_block, BLOCK_N), num_splits)
     begin = first_block + split * blocks_per_split * BLOCK_N
     end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
-    # Whole blocks of a window-less sequence are visible to every row: no masks there.
-    whole_end = begin + tl.maximum(end - begin, 0) // BLOCK_N * BLOCK_N  # an empty split: begin
-    if window > 0:
-        whole_end = begin
+    # WHOLE_BLOCKS: the whole blocks of a window-less sequence, visible to every row, are
+    # read first, without masks; else every block is masked, in one loop.
+    whole_end = begin
+    if WHOLE_BLOCKS:
+        whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N  # an empty split: none
+        whole_end = tl.where(window == 0, begin + whole_blocks * BLOCK_N, begin)
     query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
-    for masked in tl.static_range(2):  # the whole blocks, then the edge one
+    for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
         acc, row_max, row_sum = _attend_range(
             whole_end if masked else begin,
             end if masked else whole_end,

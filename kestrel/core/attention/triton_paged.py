@@ -20,6 +20,9 @@ from kestrel.core.runtime.dependent_launch import dependent_launch_args
 from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
 
 PREFILL_BLOCK_M = 64
+# Prefill pipeline stages: against Triton's default of three, 276 us for 315 (bf16 pool) and
+# 337 for 397 (float8), 8 fresh prompts of 1,000 tokens on the H200 (attention_bench --prefill).
+PREFILL_STAGES = 2
 KEY_BLOCK = 64  # keys per inner step: several small pages, or one page of 64 or more
 LARGE_BATCH_KEY_BLOCK = 128  # decode_launch
 # KV heads one store program writes: a program per (token, head) moved 256 bytes of a
@@ -187,16 +190,21 @@ def decode_attention(
 
 
 def decode_launch(cache: KVLayerCache, head_dim: int, splits: int) -> dict[str, int]:
-    """Key block, warps and pipeline stages of a decode launch. An unsplit batch (a large
-    one) at head dims up to 128 takes 128-key blocks in two stages: 4-6% faster at 256
-    sequences of 1,500 tokens on the H200 (scripts/attention_bench.py). Wider heads would
+    """Key block, warps, pipeline stages and loop shape of a decode launch. An unsplit batch
+    (a large one) at head dims up to 128 takes 128-key blocks in two stages: 4-6% faster at
+    256 sequences of 1,500 tokens on the H200 (scripts/attention_bench.py). Wider heads would
     not fit those blocks in shared memory; split batches keep smaller blocks so that short
-    contexts still spread over their splits."""
+    contexts still spread over their splits.
+
+    Every key block is masked, in one loop (WHOLE_BLOCKS off): a first, unmasked loop over
+    the whole blocks runs fewer instructions, yet timed no faster over a bf16 pool (361 us
+    against 363) and slower over a float8 one (274 against 248), in calls of different days."""
     if splits == 1 and head_dim <= 128:
         # A float8 tile takes half the shared memory: room for a third stage (248 against 281 us).
         stages = 3 if cache.key.dtype in FLOAT8_KV_DTYPES else 2
-        return {"BLOCK_N": max(LARGE_BATCH_KEY_BLOCK, page_size_of(cache)), "num_warps": 4, "num_stages": stages}
-    return {"BLOCK_N": key_block(cache)}
+        block = max(LARGE_BATCH_KEY_BLOCK, page_size_of(cache))
+        return {"BLOCK_N": block, "num_warps": 4, "num_stages": stages, "WHOLE_BLOCKS": False}
+    return {"BLOCK_N": key_block(cache), "WHOLE_BLOCKS": False}
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -227,6 +235,7 @@ def prefill_attention(
         HEAD_DIM=layer.head_dim,
         BLOCK_D=_block_d(layer.head_dim),
         BLOCK_M=PREFILL_BLOCK_M,
+        num_stages=PREFILL_STAGES,
         PAGE=page_size_of(cache),
         BLOCK_N=key_block(cache),
         PRECISION=_precision(query),
