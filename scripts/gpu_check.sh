@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to check on a GPU machine, in phases that each fit one 10-minute call:
-#   bash scripts/gpu_check.sh tests       # the kernel tests, compiled (core, layers)
+#   bash scripts/gpu_check.sh tests       # the kernel tests, compiled (core, layers), in parallel
 #   bash scripts/gpu_check.sh parity      # HF parity on CUDA (eager, graphs), overlapped steps
 #   bash scripts/gpu_check.sh gemv        # the one-row matvec vs cuBLAS per weight shape
 #   bash scripts/gpu_check.sh latency     # batch-1 latency (dependent launch off, then on), decode profile
@@ -29,11 +29,13 @@ throughput() {  # input_len output_len [kv cache dtype]
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 for phase in "${@:-tests}"; do
     case "$phase" in
-    tests)  # about 5 minutes: every kernel compiled, against the torch reference
-        # A test still running after 2 minutes dumps every thread's stack; a hung suite is cut
-        # off by its own timeout, so the other one still runs.
-        for suite in core:330 layers:150; do
-            timeout "${suite#*:}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 \
+    tests)  # every kernel compiled, against the torch reference
+        # Most of the time goes to compiling one kernel variant per case (10-15 s each, one
+        # process), so the cases are spread over workers where pytest-xdist is installed. A test
+        # still running after 2 minutes dumps every thread's stack; each suite has its own timeout.
+        workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
+        for suite in core:400 layers:150; do
+            timeout "${suite#*:}" python3 -m pytest -q -p no:cacheprovider $workers -o faulthandler_timeout=120 \
                 --durations=10 "tests/${suite%:*}" 2>&1 | tee "$out/tests_${suite%:*}.log" | tail -n 30
         done
         ;;
