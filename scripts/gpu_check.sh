@@ -30,7 +30,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for phase in "${@:-tests}"; do
     case "$phase" in
     tests)  # every kernel compiled, against the torch reference
-        # Most of the time goes to compiling one kernel variant per case (10-15 s each, one
+        # Most of the time goes to compiling each case's kernel variants (12-40 s a case in one
         # process), so the cases are spread over workers where pytest-xdist is installed. A test
         # still running after 2 minutes dumps every thread's stack; each suite has its own timeout.
         workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
