@@ -1,8 +1,12 @@
 """Kestrel: an LLM inference and serving engine with explicit, typed execution contracts."""
 
-from kestrel.engine.llm import LLM
-from kestrel.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kestrel.sampling_params import RequestOutputKind, SamplingParams
+from kestrel.logs import configure_logging
+
+configure_logging()
+
+from kestrel.engine.llm import LLM  # noqa: E402
+from kestrel.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from kestrel.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

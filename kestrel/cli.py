@@ -24,7 +24,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory or id; default: the model's own")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face model id")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     parser.add_argument(
@@ -51,6 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         page_size=args.page_size,
         seed=args.seed,
         load_format=args.load_format,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,

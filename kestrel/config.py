@@ -23,9 +23,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU this engine may fill
     page_size: int = 16
     seed: int = 0
-    load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
     attention_backend: str | None = None
-    tokenizer: str | None = None  # defaults to the model directory
+    tokenizer: str | None = None  # defaults to the checkpoint's own
+    revision: str | None = None  # a Hugging Face model id's branch, tag or commit
     enforce_eager: bool = False  # never capture CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each)

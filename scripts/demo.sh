@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The demo: build the small demo model (if absent), start the OpenAI-compatible server on it,
-# answer one chat request over HTTP, then stop the server.
+# The demo: start the OpenAI-compatible server on SmolLM2-135M-Instruct (one GGUF file, installed
+# by scripts/setup.sh), answer one chat request over HTTP, then stop the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-[ -f demo-model/config.json ] || .venv/bin/python -m kestrel make-demo-model demo-model
+model=$(.venv/bin/python -c 'from kestrel.demo import smollm2_gguf; print(smollm2_gguf())')
 port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-.venv/bin/python -m kestrel serve demo-model --port "$port" --served-model-name demo &
+.venv/bin/python -m kestrel serve "$model" --port "$port" --served-model-name demo &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
@@ -15,5 +15,5 @@ for _ in $(seq 1 120); do
 done
 echo "POST /v1/chat/completions"
 curl -sS "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
-  -d '{"model": "demo", "messages": [{"role": "user", "content": "Hello, Kestrel!"}], "max_tokens": 24}'
+  -d '{"model": "demo", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}'
 echo

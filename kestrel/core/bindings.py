@@ -7,12 +7,15 @@ of every parameter must be bound exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("kestrel")
 
 
 class WeightBindingError(ValueError):
@@ -43,17 +46,33 @@ def copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:
     param.data.copy_(tensor)
 
 
+@dataclass(frozen=True)
+class SkippedPrefix:
+    """Checkpoint tensors under `prefix` that this model does not use, and why (said once in
+    the log): a vision tower beside a text model, multi-token-prediction heads."""
+
+    prefix: str  # e.g. "mtp."
+    reason: str  # e.g. "multi-token prediction heads (speculative decoding does not use them yet)"
+
+
 class WeightBindings:
     def __init__(
         self,
         model: nn.Module,
         packed: Iterable[PackedMapping] = (),
         ignored_names: Iterable[str] = (),
+        skipped: Iterable[SkippedPrefix] = (),
+        renamed_prefixes: Mapping[str, str] | None = None,
     ) -> None:
         self._params = dict(model.named_parameters())
         self._owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in self._params}
         self._packed = tuple(packed)
         self._ignored = frozenset(ignored_names)
+        self._skipped = tuple(skipped)
+        self._skipped_counts = dict.fromkeys(self._skipped, 0)
+        # A checkpoint prefix -> the model's (a multimodal checkpoint's "model.language_model."
+        # -> "model."), applied before anything else.
+        self._renamed = dict(renamed_prefixes or {})
         self._loaded: dict[str, set[str | None]] = {name: set() for name in self._params}
         self._unexpected: list[str] = []
 
@@ -64,9 +83,23 @@ class WeightBindings:
                 return name.replace(piece, f".{mapping.target}."), mapping.shard_id
         return name, None
 
+    def _skip(self, name: str) -> bool:
+        for skipped in self._skipped:
+            if name.startswith(skipped.prefix):
+                self._skipped_counts[skipped] += 1
+                return True
+        return name in self._ignored or name.endswith("rotary_emb.inv_freq")
+
+    def _rename(self, name: str) -> str:
+        for old, new in self._renamed.items():
+            if name.startswith(old):
+                return new + name.removeprefix(old)
+        return name
+
     def bind(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._ignored or name.endswith("rotary_emb.inv_freq"):
+        if self._skip(name):
             return
+        name = self._rename(name)
         param_name, shard_id = self._resolve(name)
         param = self._params.get(param_name)
         if param is None:
@@ -104,3 +137,6 @@ class WeightBindings:
             problems.append(f"unexpected in the checkpoint: {', '.join(self._unexpected)}")
         if problems:
             raise WeightBindingError("checkpoint does not match the model; " + "; ".join(problems))
+        for skipped, count in self._skipped_counts.items():
+            if count:
+                logger.info("skipped %d checkpoint tensors under %s: %s", count, skipped.prefix, skipped.reason)

@@ -13,16 +13,21 @@ waiting forever.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import gc
 import os
+import secrets
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -34,6 +39,9 @@ from kestrel.core.runner import LaunchedStep, ModelRunner, SequenceWork, StepOut
 # A collective that waits longer than this on a silent peer fails instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 READY_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 120.0  # a worker's interpreter start and imports, not its model loading
+# Where `kestrel` is imported from, so workers find the same copy from any working directory.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 SETTLE_AFTER_ERROR_S = 5.0
 
 
@@ -76,6 +84,13 @@ def _cuda_available() -> bool:
 
 
 def join_group(address: GroupAddress, rank: int, backend: str) -> TensorParallel:
+    if dist.is_initialized():
+        gc.collect()  # an engine deleted but not yet collected releases its group when it is
+    if dist.is_initialized():
+        raise RuntimeError(
+            "another tensor-parallel engine in this process still holds the process group; "
+            "call shutdown() on it (or use `with LLM(...) as llm:`) before starting another"
+        )
     dist.init_process_group(
         backend,
         init_method=address.init_method,
@@ -110,7 +125,7 @@ def worker_main(args: EngineArgs, rank: int, address: GroupAddress, connection: 
 @dataclass
 class WorkerHandle:
     rank: int
-    process: multiprocessing.process.BaseProcess
+    process: subprocess.Popen
     connection: Connection
 
     def failure(self) -> str | None:
@@ -125,22 +140,73 @@ class WorkerHandle:
                 message = detail
         if message is not None:
             return f"tensor-parallel worker rank {self.rank} failed: {message}"
-        if not self.process.is_alive():
+        if self.process.poll() is not None:
             process = self.process
-            return f"tensor-parallel worker rank {self.rank} (pid {process.pid}) died, exit code {process.exitcode}"
+            return f"tensor-parallel worker rank {self.rank} (pid {process.pid}) died, exit code {process.returncode}"
         return None
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.send(None)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def start_workers(args: EngineArgs, address: GroupAddress) -> list[WorkerHandle]:
-    context = multiprocessing.get_context("spawn")  # CUDA and threads forbid fork
-    handles = []
-    for rank in range(1, address.world_size):
-        ours, theirs = context.Pipe()
-        process = context.Process(target=worker_main, args=(rank_args(args, rank), rank, address, theirs), daemon=True)
-        process.start()
-        theirs.close()
-        handles.append(WorkerHandle(rank, process, ours))
-    return handles
+    """One `python -m kestrel.engine.worker` process per rank beyond 0, connected back here."""
+    from kestrel.engine.worker import AUTHKEY_VARIABLE
+
+    authkey = secrets.token_bytes(32)
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        host, port = listener.address
+        environment = dict(os.environ, **{AUTHKEY_VARIABLE: authkey.hex()})
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, environment.get("PYTHONPATH")]))
+        # Rank 0 already logs start-up; the workers say only what goes wrong.
+        environment.setdefault("KESTREL_LOGGING_LEVEL", "WARNING")
+        processes = {
+            rank: subprocess.Popen(
+                [sys.executable, "-m", "kestrel.engine.worker", host, str(port), str(rank)], env=environment
+            )
+            for rank in range(1, address.world_size)
+        }
+        try:
+            connections = _accept_workers(listener, processes)
+        except BaseException:
+            for process in processes.values():
+                process.kill()
+            raise
+    for rank, connection in connections.items():
+        connection.send((rank_args(args, rank), rank, address))
+    return [WorkerHandle(rank, processes[rank], connections[rank]) for rank in sorted(processes)]
+
+
+def _accept_workers(listener: Listener, processes: dict[int, subprocess.Popen]) -> dict[int, Connection]:
+    """Each worker's connection, by the rank it announces; fails as soon as one exits first."""
+    connections: dict[int, Connection] = {}
+
+    def accept() -> None:
+        for _ in processes:
+            connection = listener.accept()
+            connections[connection.recv()] = connection
+
+    # `Listener.accept` takes no timeout: it runs on a thread while this one watches the processes.
+    acceptor = threading.Thread(target=accept, name="kestrel-worker-accept", daemon=True)
+    acceptor.start()
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while acceptor.is_alive():
+        acceptor.join(timeout=0.05)
+        for rank, process in processes.items():
+            if rank not in connections and process.poll() is not None:
+                raise WorkerDiedError(
+                    f"tensor-parallel worker rank {rank} exited with code {process.returncode} before it "
+                    "connected; its error is printed above"
+                )
+        if time.monotonic() > deadline:
+            raise WorkerDiedError(f"tensor-parallel workers did not connect within {CONNECT_TIMEOUT_S:.0f} s")
+    return connections
 
 
 class TensorParallelExecutor(ABC):
@@ -151,6 +217,7 @@ class TensorParallelExecutor(ABC):
 
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None  # rank 0's, set once it is built
+        self._stopped = False
 
     @abstractmethod
     def send(self, work: list[SequenceWork]) -> None:
@@ -201,6 +268,10 @@ class TensorParallelExecutor(ABC):
         self.runner.release(request_id)  # sampling state lives on rank 0 only
 
     def shutdown(self) -> None:
+        """Stop the workers and leave the process group; a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.stop_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -242,12 +313,7 @@ class MultiprocessExecutor(TensorParallelExecutor):
 
     def stop_workers(self) -> None:
         for worker in self.workers:
-            with contextlib.suppress(OSError):
-                worker.connection.send(None)
-        for worker in self.workers:
-            worker.process.join(timeout=10)
-            if worker.process.is_alive():
-                worker.process.kill()
+            worker.stop()
 
 
 class LocalExecutor:

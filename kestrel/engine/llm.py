@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,9 +18,23 @@ PromptInput = str | dict[str, Any]
 
 
 class LLM:
+    """An engine for offline batches. Tensor-parallel workers stop at `shutdown()`, at the end
+    of a `with LLM(...) as llm:` block, or when the object is collected."""
+
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes and free its process group; idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

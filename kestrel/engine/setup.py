@@ -29,8 +29,10 @@ from kestrel.engine.distributed import (
     rank_args,
     start_workers,
 )
+from kestrel.logs import log_duration
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import recipe_for
+from kestrel.weights.checkpoint import Checkpoint, CheckpointNotFoundError, load_tokenizer_from, open_checkpoint
 from kestrel.weights.loader import load_model
 
 logger = logging.getLogger("kestrel")
@@ -64,24 +66,22 @@ class EngineParts:
     eos_token_ids: frozenset[int]
 
 
-def read_hf_config(args: EngineArgs) -> tuple[Any, Path | None]:
-    path = Path(args.model)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
-        from transformers import AutoConfig
-
-        try:
-            return AutoConfig.from_pretrained(path), path
-        except (ValueError, KeyError) as error:
-            raise ValueError(f"cannot read {path / 'config.json'}: {error}") from None
-    if args.load_format == "dummy" and args.model in DUMMY_CONFIGS:
+def open_model(args: EngineArgs) -> tuple[Any, Checkpoint | None]:
+    """The model's HF config, and its checkpoint (None for a built-in dummy shape)."""
+    if args.load_format == "dummy" and args.model in DUMMY_CONFIGS and not Path(args.model).exists():
         return dummy_hf_config(args.model), None
-    known = ", ".join(sorted(DUMMY_CONFIGS))
-    raise FileNotFoundError(
-        f"model {args.model!r} is not a directory; pass a checkpoint directory "
-        f"(or, with load_format='dummy', one of: {known})"
-    )
+    try:
+        checkpoint = open_checkpoint(args.model, args.revision)
+    except CheckpointNotFoundError as error:
+        if args.load_format != "dummy":
+            raise
+        known = ", ".join(sorted(DUMMY_CONFIGS))
+        raise CheckpointNotFoundError(f"{error} (with load_format='dummy', a built-in shape: {known})") from None
+    if args.load_format in ("safetensors", "gguf") and checkpoint.format != args.load_format:
+        raise ValueError(
+            f"load_format {args.load_format!r} was asked for, but {checkpoint.path} is {checkpoint.format}"
+        )
+    return checkpoint.hf_config(), checkpoint
 
 
 def resolve_dtype(name: str, hf_config: Any, runtime: DeviceRuntime) -> torch.dtype:
@@ -171,29 +171,19 @@ def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider
     return min(limit, kv.capacity_tokens)
 
 
-def load_tokenizer(args: EngineArgs, model_dir: Path | None) -> Any | None:
-    source = args.tokenizer or (str(model_dir) if model_dir else None)
-    if source is None:
-        return None  # a dummy model shape without a tokenizer: token ids in, token ids out
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        if args.load_format == "dummy":
-            return None
-        raise ValueError(f"cannot load a tokenizer from {source}: {error}") from None
+def load_tokenizer(args: EngineArgs, checkpoint: Checkpoint | None) -> Any | None:
+    """The tokenizer asked for, else the checkpoint's; None where there is none (token ids only)."""
+    if args.tokenizer is not None:
+        return load_tokenizer_from(args.tokenizer)
+    return None if checkpoint is None else checkpoint.tokenizer()
 
 
-def eos_token_ids(spec: ModelSpec, tokenizer: Any | None, model_dir: Path | None) -> frozenset[int]:
+def eos_token_ids(spec: ModelSpec, tokenizer: Any | None, checkpoint: Checkpoint | None) -> frozenset[int]:
     ids = set(spec.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    if model_dir is not None and (model_dir / "generation_config.json").exists():
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if checkpoint is not None:
+        ids.update(checkpoint.eos_token_ids())
     return frozenset(ids)
 
 
@@ -210,13 +200,13 @@ class RankParts:
     runner: ModelRunner
     max_model_len: int
     max_num_batched_tokens: int
-    model_dir: Path | None
+    checkpoint: Checkpoint | None
 
 
 def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     runtime = create_runtime(args.device)
     runtime.configure_process()
-    hf_config, model_dir = read_hf_config(args)
+    hf_config, checkpoint = open_model(args)
     recipe = recipe_for(getattr(hf_config, "architectures", None))
     spec = recipe.spec(hf_config)
     dtype = resolve_dtype(args.dtype, hf_config, runtime)
@@ -227,7 +217,8 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         ),
         args.attention_backend,
     )
-    model = load_model(recipe, spec, model_dir, runtime.device, dtype, args.load_format, args.seed, parallel)
+    with log_duration(logger, f"loading {spec.architecture} weights ({args.load_format}) from {args.model}"):
+        model = load_model(recipe, spec, checkpoint, runtime.device, dtype, args.load_format, args.seed, parallel)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     kv_spec = spec.kv_cache_spec(kv_dtype, args.page_size, parallel)
@@ -267,10 +258,12 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         graphs = DecodeGraphs(
             model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
         )
-        graphs.capture()
+        with log_duration(logger, "capturing CUDA graphs"):
+            graphs.capture()
     runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs, recurrent, sampling, parallel)
-    runner.warm_up(max_num_batched_tokens, args.max_num_seqs, max_model_len)
-    return RankParts(runtime, spec, dtype, kv, recurrent, runner, max_model_len, max_num_batched_tokens, model_dir)
+    with log_duration(logger, "warm-up"):
+        runner.warm_up(*runtime.warm_up_size(max_num_batched_tokens, args.max_num_seqs), max_model_len)
+    return RankParts(runtime, spec, dtype, kv, recurrent, runner, max_model_len, max_num_batched_tokens, checkpoint)
 
 
 def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, TensorParallelExecutor]:
@@ -310,7 +303,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     else:
         rank = build_rank(args, SINGLE)
         executor = LocalExecutor(rank.runner)
-    tokenizer = load_tokenizer(args, rank.model_dir)
+    tokenizer = load_tokenizer(args, rank.checkpoint)
     return EngineParts(
         args=args,
         runtime=rank.runtime,
@@ -324,5 +317,5 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         tokenizer=tokenizer,
         max_model_len=rank.max_model_len,
         max_num_batched_tokens=rank.max_num_batched_tokens,
-        eos_token_ids=eos_token_ids(rank.spec, tokenizer, rank.model_dir),
+        eos_token_ids=eos_token_ids(rank.spec, tokenizer, rank.checkpoint),
     )

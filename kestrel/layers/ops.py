@@ -15,7 +15,9 @@ import torch.nn.functional as F
 # steps; measured on a 2-core Xeon: the 64 x 512 x 64000 LM head, 20.7 -> 17.8 ms); below
 # that its fixed cost loses to BLAS.
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# bf16 only where oneDNN has bf16 kernels for this CPU (AVX-512 BF16 or AMX): elsewhere its
+# bf16 inner product fails to build ("could not create a primitive descriptor").
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 _ONEDNN_MIN_ROWS = 16
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take layers/gemv.py
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.core.attention.base import AttentionLayerSpec
-from kestrel.core.bindings import PackedMapping, WeightBindings
+from kestrel.core.bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import ModelSpec, RopeSpec
@@ -205,10 +205,16 @@ def sparse_moe_args(spec: ModelSpec) -> tuple[int, int, int, int, bool]:
     return spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize
 
 
-def decoder_bindings(model: nn.Module, spec: ModelSpec, extra: tuple[PackedMapping, ...] = ()) -> WeightBindings:
+def decoder_bindings(
+    model: nn.Module,
+    spec: ModelSpec,
+    extra: tuple[PackedMapping, ...] = (),
+    skipped: tuple[SkippedPrefix, ...] = (),
+    renamed_prefixes: dict[str, str] | None = None,
+) -> WeightBindings:
     # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): skip it.
     ignored = ("lm_head.weight",) if spec.tie_word_embeddings else ()
-    return WeightBindings(model, extra + PACKED_MAPPINGS, ignored)
+    return WeightBindings(model, extra + PACKED_MAPPINGS, ignored, skipped, renamed_prefixes)
 
 
 def read_rope(hf_config: object, allow_partial: bool = False) -> RopeSpec:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.core.bindings import PackedMapping, WeightBindingError, WeightBindings
+from kestrel.core.bindings import PackedMapping, SkippedPrefix, WeightBindingError, WeightBindings
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
 from kestrel.core.parallel import SINGLE, TensorParallel
@@ -329,7 +329,17 @@ HYBRID_MAPPINGS = (
 )
 
 
-def hybrid_bindings(model: nn.Module, spec: ModelSpec, extra: tuple[PackedMapping, ...] = ()) -> WeightBindings:
+# Qwen3-Next and Qwen3.5 releases carry multi-token-prediction heads; transformers skips them too.
+MTP_HEADS = SkippedPrefix("mtp.", "multi-token prediction heads, unused until speculative decoding takes them")
+
+
+def hybrid_bindings(
+    model: nn.Module,
+    spec: ModelSpec,
+    extra: tuple[PackedMapping, ...] = (),
+    skipped: tuple[SkippedPrefix, ...] = (),
+    renamed_prefixes: dict[str, str] | None = None,
+) -> WeightBindings:
     from kestrel.models.dense import decoder_bindings
 
-    return decoder_bindings(model, spec, extra + HYBRID_MAPPINGS)
+    return decoder_bindings(model, spec, extra + HYBRID_MAPPINGS, (MTP_HEADS, *skipped), renamed_prefixes)

@@ -11,12 +11,13 @@ from kestrel.models.dense import DenseDecoderRecipe, decoder_bindings, read_dens
 
 
 def read_qwen_moe(hf_config: object) -> MoeSpec:
-    """The routing fields Qwen's MoE configs share (Qwen3-MoE, Qwen3-Next)."""
+    """The routing fields Qwen's MoE configs share (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, whose
+    config has no `norm_topk_prob`: it always renormalizes)."""
     return MoeSpec(
         num_experts=hf_config.num_experts,
         top_k=hf_config.num_experts_per_tok,
         intermediate_size=hf_config.moe_intermediate_size,
-        renormalize=bool(hf_config.norm_topk_prob),
+        renormalize=bool(getattr(hf_config, "norm_topk_prob", True)),
         sparse_step=getattr(hf_config, "decoder_sparse_step", 1) or 1,
         dense_layers=tuple(getattr(hf_config, "mlp_only_layers", None) or ()),
     )

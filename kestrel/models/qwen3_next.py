@@ -1,11 +1,14 @@
-"""Qwen3NextForCausalLM and Qwen3_5ForCausalLM: hybrid stacks of gated DeltaNet and gated
-full-attention layers (Qwen3-Next with mixture-of-experts MLPs, Qwen3.5 text with dense ones)."""
+"""Qwen3-Next and Qwen3.5: hybrid stacks of gated DeltaNet and gated full-attention layers,
+with mixture-of-experts MLPs (Qwen3-Next, Qwen3.5-MoE) or dense ones (Qwen3.5).
+
+Qwen3.5 releases are `...ForConditionalGeneration` checkpoints, a vision tower beside the text
+model; Kestrel serves the text model from them and skips the vision weights."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from kestrel.core.bindings import PackedMapping, WeightBindings
+from kestrel.core.bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
 from kestrel.layers.moe import expert_mappings
@@ -51,25 +54,36 @@ class HybridRecipe:
         return hybrid_bindings(model, spec)
 
 
+VISION_TOWER = SkippedPrefix("model.visual.", "the vision tower (Kestrel serves the text model)")
+LANGUAGE_MODEL = {"model.language_model.": "model."}
+
+
+def read_hybrid_moe_spec(hf_config: object, architecture: str, grouped_projection: bool) -> ModelSpec:
+    moe = read_qwen_moe(hf_config) if getattr(hf_config, "num_experts", 0) else None
+    return read_hybrid_spec(
+        hf_config,
+        architecture,
+        grouped_projection=grouped_projection,
+        moe=moe,
+        shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
+    )
+
+
 class Qwen3NextRecipe(HybridRecipe):
     architectures = ("Qwen3NextForCausalLM",)
 
     def spec(self, hf_config: object) -> ModelSpec:
-        moe = read_qwen_moe(hf_config) if getattr(hf_config, "num_experts", 0) else None
-        return read_hybrid_spec(
-            hf_config,
-            "Qwen3NextForCausalLM",
-            grouped_projection=True,
-            moe=moe,
-            shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
-        )
+        return read_hybrid_moe_spec(hf_config, "Qwen3NextForCausalLM", grouped_projection=True)
 
     def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+        return hybrid_bindings(model, spec, self._expert_mappings(spec))
+
+    @staticmethod
+    def _expert_mappings(spec: ModelSpec) -> tuple[PackedMapping, ...]:
+        if spec.moe is None:
+            return ()
         names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-        experts: tuple[PackedMapping, ...] = ()
-        if spec.moe is not None:
-            experts = tuple(expert_mappings(spec.moe.num_experts, "mlp", names))
-        return hybrid_bindings(model, spec, experts)
+        return tuple(expert_mappings(spec.moe.num_experts, "mlp", names))
 
 
 class Qwen3_5Recipe(HybridRecipe):
@@ -77,3 +91,41 @@ class Qwen3_5Recipe(HybridRecipe):
 
     def spec(self, hf_config: object) -> ModelSpec:
         return read_hybrid_spec(hf_config, "Qwen3_5ForCausalLM", grouped_projection=False)
+
+
+class Qwen3_5MoeRecipe(Qwen3NextRecipe):
+    architectures = ("Qwen3_5MoeForCausalLM",)
+
+    def spec(self, hf_config: object) -> ModelSpec:
+        return read_hybrid_moe_spec(hf_config, "Qwen3_5MoeForCausalLM", grouped_projection=False)
+
+
+class Qwen3_5VisionLanguageRecipe(Qwen3_5Recipe):
+    """A Qwen3.5 release: its `text_config` and `model.language_model.*` weights."""
+
+    architectures = ("Qwen3_5ForConditionalGeneration",)
+
+    def spec(self, hf_config: object) -> ModelSpec:
+        return super().spec(text_config(hf_config))
+
+    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+        return hybrid_bindings(model, spec, (), (VISION_TOWER,), LANGUAGE_MODEL)
+
+
+class Qwen3_5MoeVisionLanguageRecipe(Qwen3_5MoeRecipe):
+    """A Qwen3.5-MoE release: its `text_config` and `model.language_model.*` weights."""
+
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)
+
+    def spec(self, hf_config: object) -> ModelSpec:
+        return super().spec(text_config(hf_config))
+
+    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+        return hybrid_bindings(model, spec, self._expert_mappings(spec), (VISION_TOWER,), LANGUAGE_MODEL)
+
+
+def text_config(hf_config: object) -> object:
+    config = getattr(hf_config, "text_config", None)
+    if config is None:
+        raise ValueError("a vision-language Qwen3.5 config has no text_config")
+    return config

@@ -15,6 +15,9 @@ _RECIPES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "kestrel.models.qwen3_moe:Qwen3MoeRecipe",
     "Qwen3NextForCausalLM": "kestrel.models.qwen3_next:Qwen3NextRecipe",
     "Qwen3_5ForCausalLM": "kestrel.models.qwen3_next:Qwen3_5Recipe",
+    "Qwen3_5ForConditionalGeneration": "kestrel.models.qwen3_next:Qwen3_5VisionLanguageRecipe",
+    "Qwen3_5MoeForCausalLM": "kestrel.models.qwen3_next:Qwen3_5MoeRecipe",
+    "Qwen3_5MoeForConditionalGeneration": "kestrel.models.qwen3_next:Qwen3_5MoeVisionLanguageRecipe",
 }
 
 

@@ -13,13 +13,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from kestrel.config import EngineArgs
 from kestrel.server.app import ServerSettings, ServerState, build_app
 from kestrel.server.engine_client import EngineClient
+from kestrel.weights.checkpoint import load_tokenizer_from, open_checkpoint
 
 logger = logging.getLogger("kestrel.server")
 ABORT_GRACE_SECONDS = 2.0
@@ -64,16 +65,22 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def load_front_end_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
+def load_front_end_tokenizer(engine_args: EngineArgs) -> Any:
+    """The tokenizer the routes need (chat templates, text prompts, detokenized logprobs)."""
+    if engine_args.tokenizer is not None:
+        return load_tokenizer_from(engine_args.tokenizer)
+    checkpoint = open_checkpoint(engine_args.model, engine_args.revision)
+    tokenizer = checkpoint.tokenizer()
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"{checkpoint.path} has no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model); "
+            "the server needs a tokenizer: add them or pass --tokenizer"
+        )
+    return tokenizer
 
 
 async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
-    if not Path(args.model).is_dir():
-        raise FileNotFoundError(f"model {args.model!r} is not a checkpoint directory")
-    tokenizer = load_front_end_tokenizer(args.model)
+    tokenizer = load_front_end_tokenizer(engine_args)
     client = EngineClient(engine_args)
     ready = await client.start()
     settings = ServerSettings(

@@ -1,41 +1,15 @@
-"""Build a recipe's module on the meta device, then fill it from safetensors or with dummy weights."""
+"""Build a recipe's module on the meta device, then fill it from a checkpoint or with dummy weights."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import ModelRecipe, ModelSpec
+from kestrel.weights.checkpoint import Checkpoint
 
-INDEX_FILE = "model.safetensors.index.json"
-
-
-class MissingWeightsError(FileNotFoundError):
-    pass
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the sharded index's files, or every *.safetensors."""
-    index = model_dir / INDEX_FILE
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        absent = [f.name for f in files if not f.exists()]
-        if absent:
-            raise MissingWeightsError(f"{INDEX_FILE} in {model_dir} names missing files: {', '.join(absent)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise MissingWeightsError(
-            f"no *.safetensors weights in {model_dir}; Kestrel loads safetensors checkpoints "
-            "(or use load_format='dummy' for random weights)"
-        )
-    return files
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
 
 
 def build_empty(
@@ -47,12 +21,10 @@ def build_empty(
     return model.to_empty(device=device).eval()
 
 
-def load_checkpoint(model: nn.Module, recipe: ModelRecipe, spec: ModelSpec, model_dir: Path) -> None:
+def load_checkpoint(model: nn.Module, recipe: ModelRecipe, spec: ModelSpec, checkpoint: Checkpoint) -> None:
     bindings = recipe.bindings(model, spec)
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as shard:
-            for name in shard.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                bindings.bind(name, shard.get_tensor(name))
+    for name, tensor in checkpoint.tensors():
+        bindings.bind(name, tensor)
     bindings.finish()
 
 
@@ -72,7 +44,7 @@ def fill_dummy(model: nn.Module, seed: int) -> None:
 def load_model(
     recipe: ModelRecipe,
     spec: ModelSpec,
-    model_dir: Path | None,
+    checkpoint: Checkpoint | None,
     device: torch.device,
     dtype: torch.dtype,
     load_format: str,
@@ -82,8 +54,8 @@ def load_model(
     model = build_empty(recipe, spec, device, dtype, parallel)
     if load_format == "dummy":
         fill_dummy(model, seed)
-    elif load_format in ("auto", "safetensors"):
-        load_checkpoint(model, recipe, spec, model_dir)
+    elif load_format in LOAD_FORMATS and checkpoint is not None:
+        load_checkpoint(model, recipe, spec, checkpoint)
     else:
-        raise ValueError(f"unknown load_format {load_format!r}; expected 'auto', 'safetensors' or 'dummy'")
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)} or 'dummy'")
     return model

@@ -13,7 +13,7 @@ from kestrel import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from kestrel.core.bindings import WeightBindingError
 from kestrel.core.runner import ModelRunner
 from kestrel.models.registry import UnsupportedArchitectureError
-from kestrel.weights.loader import MissingWeightsError
+from kestrel.weights.checkpoint import MissingWeightsError
 from tests.checkpoints import HYBRID_FAMILIES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

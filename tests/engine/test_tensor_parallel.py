@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,7 +69,7 @@ def test_a_killed_worker_fails_the_engine_fast(checkpoint_dir):
         engine.step()
         worker = engine.parts.executor.workers[0]
         os.kill(worker.process.pid, signal.SIGKILL)
-        worker.process.join(timeout=10)
+        worker.process.wait(timeout=10)
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) died"):
             engine.step()
@@ -102,3 +105,50 @@ def test_each_cuda_rank_gets_its_own_device(device, rank, expected):
     from kestrel.engine.distributed import rank_args
 
     assert rank_args(EngineArgs(model="m", device=device), rank).device == expected
+
+
+def test_a_script_without_a_main_guard_starts_its_workers(checkpoint_dir, tmp_path):
+    """Workers never import the user's script: one without `if __name__ == "__main__":` works."""
+    script = tmp_path / "generate.py"
+    script.write_text(
+        "from kestrel import LLM, SamplingParams\n"
+        f"llm = LLM({str(checkpoint_dir('qwen3'))!r}, tensor_parallel_size=2, kv_cache_memory_gb=0.05)\n"
+        "params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+        "output = llm.generate({'prompt_token_ids': [5, 6, 7]}, params, use_tqdm=False)[0]\n"
+        "print('tokens', output.outputs[0].token_ids)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    environment = dict(os.environ, PYTHONPATH=str(root))
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("tokens [") == 1  # printed once: the workers did not run the script
+
+
+def test_a_worker_that_cannot_start_fails_within_seconds(checkpoint_dir, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1 exited with code 1 before it connected"):
+        LLM(str(checkpoint_dir("qwen3")), tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+    assert time.monotonic() - start < 15
+
+
+def test_engines_one_after_another_in_one_process(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3"))
+    settings = dict(tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+    request = {"prompt_token_ids": [5, 6, 7]}
+    with LLM(path, **settings) as llm:
+        expected = llm.generate(request, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    explicit = LLM(path, **settings)
+    assert explicit.generate(request, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    explicit.shutdown()
+    collected = LLM(path, **settings)  # deleted, not shut down: collection releases it
+    del collected
+    last = LLM(path, **settings)
+    try:
+        assert last.generate(request, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+        with pytest.raises(RuntimeError, match="another tensor-parallel engine in this process"):
+            LLM(path, **settings)
+    finally:
+        last.shutdown()

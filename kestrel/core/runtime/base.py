@@ -68,6 +68,11 @@ class DeviceRuntime(ABC):
         run()
         return 0
 
+    def warm_up_size(self, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+        """How many tokens and sequences the warm-up steps run: by default the largest step the
+        planner may send, which compiles every kernel shape and sizes the activations."""
+        return max_num_batched_tokens, max_num_seqs
+
     def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
         """Start copying `tensors` to the host behind the work queued so far; the host does
         not wait until `wait()` is called on the result."""

