@@ -1,4 +1,4 @@
-"""Command line: `python -m kestrel {generate,make-demo-model,bench} ...`."""
+"""Command line: `kestrel {serve,generate,make-demo-model,bench} ...` (or `python -m kestrel ...`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from kestrel.cli import add_commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kestrel", description="Kestrel LLM inference engine")
+    parser = argparse.ArgumentParser(prog="kestrel", description="Kestrel LLM inference engine")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:

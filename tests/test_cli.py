@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def kestrel(*args: str) -> subprocess.CompletedProcess:
+def kestrel(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kestrel", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kestrel", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **(env or {})),
     )
 
 
@@ -41,3 +48,38 @@ def test_serve_reports_a_bad_engine_option_clearly(tmp_path):
     assert run.returncode == 2
     assert "max_model_len 999999 exceeds the model's max_position_embeddings 2048" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_serve_says_what_a_folder_lacks(tmp_path, checkpoint_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = kestrel("serve", str(empty), "--port", "0")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "has no config.json and no .gguf file" in run.stderr
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(checkpoint_dir("qwen3") / name, bare / name)
+    run = kestrel("serve", str(bare), "--port", "0")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "has no tokenizer files" in run.stderr and "--tokenizer" in run.stderr
+
+
+def fake_hub_cache(cache: Path, model_id: str, source: Path) -> None:
+    """A Hugging Face cache holding `model_id` at `main`, as `snapshot_download` leaves it."""
+    repo = cache / f"models--{model_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(source, repo / "snapshots" / commit)
+
+
+def test_a_hugging_face_id_resolves_through_the_local_cache(tmp_path, checkpoint_dir):
+    fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-qwen3", checkpoint_dir("qwen3"))
+    offline = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    run = kestrel("generate", "--model", "tiny-org/tiny-qwen3", "--prompt", "Hello", "--max-tokens", "3", env=offline)
+    assert run.returncode == 0, run.stderr
+    assert "(3 tokens, length)" in run.stdout
+    missing = kestrel("generate", "--model", "tiny-org/absent", "--prompt", "Hello", env=offline)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "'tiny-org/absent' is not in the local Hugging Face cache" in missing.stderr
