@@ -117,11 +117,14 @@ class LLM:
 
     def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        speed = _TokenSpeed()
         with tqdm(total=total, desc="Generating", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                        speed.add(output)
+                        bar.set_postfix_str(speed.describe(bar.format_dict["elapsed"]), refresh=False)
                         bar.update(1)
         return finished
 
@@ -140,4 +143,22 @@ class LLM:
             prompt_logprobs=first.prompt_logprobs,
             outputs=completions,
             finished=True,
+        )
+
+
+class _TokenSpeed:
+    """Input and output tokens of the finished requests, per second, as vLLM's progress bar shows them."""
+
+    def __init__(self) -> None:
+        self.input_tokens = self.output_tokens = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.input_tokens += len(output.prompt_token_ids)
+        self.output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
+
+    def describe(self, elapsed: float) -> str:
+        seconds = max(elapsed, 1e-6)
+        return (
+            f"est. speed input: {self.input_tokens / seconds:.2f} toks/s, "
+            f"output: {self.output_tokens / seconds:.2f} toks/s"
         )

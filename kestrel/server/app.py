@@ -42,6 +42,7 @@ class ServerSettings:
     api_key: str | None
     max_queue_len: int
     max_num_seqs: int
+    log_requests: bool = True
 
 
 class ServerState:
@@ -183,7 +184,7 @@ def _generation(state: ServerState, body: SamplingFields, prompts: list[Prepared
     for prompt in prompts:
         params = params_for(len(prompt.token_ids))  # validates each prompt against the context window
     state.check_capacity(len(prompts) * body.n)
-    return Generation(state.client, state.metrics, prompts, params, body.n)
+    return Generation(state.client, state.metrics, prompts, params, body.n, state.settings.log_requests)
 
 
 def _sampling(body: SamplingFields, requested_max: int | None, state: ServerState, **logprob_args: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +16,8 @@ from kestrel.server.engine_client import EngineClient
 from kestrel.server.messages import RequestDelta
 from kestrel.server.metrics import RequestTimer, ServerMetrics
 from kestrel.server.protocol import bad_request
+
+logger = logging.getLogger("kestrel.server")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class Generation:
     prompts: list[PreparedPrompt]
     params: SamplingParams
     n: int
+    log_requests: bool = True  # one info line per finished choice (never the prompt text)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -116,12 +120,23 @@ class Generation:
         prompt = self.prompts[index // self.n]
         timer = RequestTimer(self.metrics, time.monotonic(), len(prompt.token_ids))
         engine_id = f"{self.request_id}-{index}"
+        num_output_tokens = 0
         try:
             async for delta in self.client.generate(engine_id, prompt.token_ids, self.choice_params(index)):
                 now = time.monotonic()
                 timer.tokens(now, len(delta.new_token_ids), delta.queue_seconds)
+                num_output_tokens += len(delta.new_token_ids)
                 if delta.finish_reason is not None:
                     timer.finished(now, delta.finish_reason)
+                    if self.log_requests:
+                        logger.info(
+                            "request %s finished: %d prompt tokens, %d output tokens, finish_reason %s, %.2f s",
+                            engine_id,
+                            len(prompt.token_ids),
+                            num_output_tokens,
+                            delta.finish_reason,
+                            now - timer.start,
+                        )
                 merged.put_nowait((index, delta))
             merged.put_nowait(None)
         except asyncio.CancelledError:

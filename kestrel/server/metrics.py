@@ -70,6 +70,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._seen_queries = self._seen_hits = 0
+        # Plain running totals beside the counters, for the periodic stats line.
+        self.num_prompt_tokens = self.num_generation_tokens = 0
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.inter_token = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
@@ -98,6 +100,7 @@ class RequestTimer:
         self.metrics, self.start, self.last = metrics, start, None
         self.label = metrics.model_name
         metrics.prompt_tokens.labels(self.label).inc(num_prompt_tokens)
+        metrics.num_prompt_tokens += num_prompt_tokens
 
     def tokens(self, now: float, count: int, queue_seconds: float | None) -> None:
         if queue_seconds is not None:
@@ -105,6 +108,7 @@ class RequestTimer:
         if count == 0:
             return
         self.metrics.generation_tokens.labels(self.label).inc(count)
+        self.metrics.num_generation_tokens += count
         if self.last is None:
             self.metrics.ttft.labels(self.label).observe(now - self.start)
         else:

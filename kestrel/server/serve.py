@@ -20,6 +20,7 @@ import uvicorn
 from kestrel.config import EngineArgs
 from kestrel.server.app import ServerSettings, ServerState, build_app
 from kestrel.server.engine_client import EngineClient
+from kestrel.server.stats_log import log_engine_stats
 from kestrel.weights.checkpoint import load_tokenizer_from, open_checkpoint
 
 logger = logging.getLogger("kestrel.server")
@@ -89,6 +90,7 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
         max_num_seqs=engine_args.max_num_seqs,
+        log_requests=not args.disable_log_requests,
     )
     state = ServerState(settings, client, tokenizer)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
@@ -98,7 +100,10 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         f"on http://{args.host}:{args.port}",
         flush=True,
     )
+    stats_task = None if args.disable_log_stats else asyncio.create_task(log_engine_stats(client, state.metrics))
     try:
         await server.serve()
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
         await client.shutdown()

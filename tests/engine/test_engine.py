@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -309,3 +310,9 @@ def test_float8_kv_cache_holds_four_times_the_float32_tokens_and_stays_close(che
 def test_unknown_kv_cache_dtype_is_a_clear_error(checkpoint_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int4'"):
         LLM(str(checkpoint_dir("qwen3")), kv_cache_dtype="int4")
+
+
+def test_progress_bar_shows_token_speeds(qwen3_llm, capsys):
+    qwen3_llm.generate(["one", "two"], GREEDY, use_tqdm=True)
+    shown = capsys.readouterr().err
+    assert re.search(r"2/2 .*est\. speed input: [\d.]+ toks/s, output: [\d.]+ toks/s", shown)

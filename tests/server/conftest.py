@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+    def __init__(
+        self, model: Path, *extra: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [
@@ -42,14 +45,18 @@ class ServerProcess:
             command += ["--api-key", api_key]
         self.terminated = False
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Output goes to a file, not a pipe nobody drains: a full pipe would block the server's logging.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-server-", suffix=".log")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **(env or {}))
+        )
         self._wait_healthy()
 
     def _wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.process.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.output()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
                     return
@@ -57,6 +64,10 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         raise RuntimeError("server did not become healthy")
+
+    def output(self) -> str:
+        """Everything the server printed so far."""
+        return Path(self.log.name).read_text()
 
     def core_pids(self) -> list[int]:
         """The server's engine-core child (multiprocessing's resource tracker is left out)."""
