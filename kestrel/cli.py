@@ -162,6 +162,11 @@ def add_commands(commands: Any) -> None:
 
     add_prefix_bench_options(prefix)
     prefix.set_defaults(handler=run_prefix_benchmark)
+    startup = kinds.add_parser("startup", help="time from LLM(model=...) to the first token, fresh processes")
+    from kestrel.bench.startup import add_startup_bench_options, run_startup_benchmark
+
+    add_startup_bench_options(startup)
+    startup.set_defaults(handler=run_startup_benchmark)
     serving = kinds.add_parser("serve", help="load an OpenAI-compatible server and measure latencies")
     from kestrel.bench.serve import add_serve_bench_options, run_serve_benchmark
 
