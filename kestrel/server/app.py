@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -11,6 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
 from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
@@ -43,6 +46,7 @@ class ServerSettings:
     max_queue_len: int
     max_num_seqs: int
     log_requests: bool = True
+    max_request_body_bytes: int = 32 << 20
 
 
 class ServerState:
@@ -72,6 +76,11 @@ class ServerState:
         if not self.client.alive:
             raise ApiError(503, f"the engine is not running: {self.client.dead_reason}", "ServiceUnavailableError")
         limit = self.settings.max_num_seqs + self.settings.max_queue_len
+        if new_requests > limit:  # could never be admitted: retrying cannot help
+            raise bad_request(
+                f"the request asks for {new_requests} sequences (prompts x n); this server holds at most {limit}",
+                "n",
+            )
         if self.client.num_in_flight + new_requests > limit:
             raise ApiError(
                 503,
@@ -85,15 +94,27 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.kestrel = state
     _install_error_handlers(app)
 
+    @app.middleware("http")
+    async def limit_body_size(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length", "")
+        limit = state.settings.max_request_body_bytes
+        if length.isdigit() and int(length) > limit:
+            error = ApiError(413, f"the request body is {length} bytes; the limit is {limit}", "RequestTooLargeError")
+            return JSONResponse(error.body(), status_code=413)
+        return await call_next(request)
+
     async def require_key(request: Request) -> None:
         key = state.settings.api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+        given = request.headers.get("authorization", "")
+        if key is not None and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "invalid or missing API key", "AuthenticationError")
 
     @app.get("/health")
     async def health() -> Response:
         if not state.client.alive:
             return JSONResponse({"status": "unhealthy", "reason": state.client.dead_reason}, status_code=503)
+        if state.draining:  # a load balancer stops routing here while in-flight requests finish
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -104,9 +125,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(state.client.stats), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
-    async def models() -> dict:
-        card = {
+    def model_card() -> dict:
+        return {
             "id": state.settings.served_model_name,
             "object": "model",
             "created": int(time.time()),
@@ -114,20 +134,28 @@ def build_app(state: ServerState) -> FastAPI:
             "root": state.settings.model_path,
             "max_model_len": state.max_model_len,
         }
-        return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)])
+    async def model(model_id: str) -> dict:
+        state.check_model(model_id)
+        return model_card()
+
+    @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_model(body.model)
         if body.messages is not None:
-            tokens = _chat_prompt(state, body.messages, True).token_ids
+            tokens = (await _chat_prompt(state, body.messages, True)).token_ids
         elif body.prompt is not None:
-            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await _encode(state, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         else:
             raise bad_request("give either prompt or messages", "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=[Depends(require_key)])
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
         validate_token_ids(body.tokens or [0], state.client.info.vocab_size)
@@ -149,6 +177,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes, wrong methods, unreadable bodies: the framework's errors, OpenAI's shape.
+        kinds = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
+        body = ApiError(error.status_code, str(error.detail), kinds.get(error.status_code, "BadRequestError")).body()
+        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
@@ -157,10 +192,28 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(bad_request(message or "invalid request", location).body(), status_code=400)
 
 
+def _named_field(message: str, body: SamplingFields) -> str | None:
+    """The request field a sampling error names first ("temperature must be ..."), if any."""
+    first_word = message.split(" ", 1)[0]
+    return first_word if first_word in type(body).model_fields else None
+
+
 # ---- completions ----------------------------------------------------------------------------
 
 
-def _completion_prompts(state: ServerState, prompt: Any) -> list[PreparedPrompt]:
+async def _encode(state: ServerState, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, tokenized off the event loop (a megabyte-long prompt takes seconds,
+    and streams and health checks must not wait for it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise bad_request(
+            f"{param} is not valid Unicode text: {error.reason} at position {error.start}", param
+        ) from None
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+
+async def _completion_prompts(state: ServerState, prompt: Any) -> list[PreparedPrompt]:
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -172,7 +225,7 @@ def _completion_prompts(state: ServerState, prompt: Any) -> list[PreparedPrompt]
     prepared = []
     for item in prompts:
         if isinstance(item, str):
-            prepared.append(PreparedPrompt(state.tokenizer.encode(item), item))
+            prepared.append(PreparedPrompt(await _encode(state, item, "prompt"), item))
         else:
             prepared.append(PreparedPrompt(list(item), None))
         validate_token_ids(prepared[-1].token_ids, state.client.info.vocab_size)
@@ -187,13 +240,15 @@ def _generation(state: ServerState, body: SamplingFields, prompts: list[Prepared
     return Generation(state.client, state.metrics, prompts, params, body.n, state.settings.log_requests)
 
 
-def _sampling(body: SamplingFields, requested_max: int | None, state: ServerState, **logprob_args: Any) -> Any:
+def _sampling(
+    body: SamplingFields, requested_max: int | None, state: ServerState, prompt_param: str, **logprob_args: Any
+) -> Any:
     def params_for(prompt_len: int):
-        max_tokens = resolve_max_tokens(requested_max, prompt_len, state.max_model_len)
+        max_tokens = resolve_max_tokens(requested_max, prompt_len, state.max_model_len, prompt_param)
         try:
             return body.sampling_params(max_tokens, **logprob_args)
         except ValueError as error:
-            raise bad_request(str(error)) from None
+            raise bad_request(str(error), _named_field(str(error), body)) from None
 
     return params_for
 
@@ -202,11 +257,13 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     state.check_model(body.model)
     if body.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
-    prompts = _completion_prompts(state, body.prompt)
+    prompts = await _completion_prompts(state, body.prompt)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens must be at least 1 unless echo is set", "max_tokens")
-    params_for = _sampling(body, body.max_tokens, state, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    params_for = _sampling(
+        body, body.max_tokens, state, "prompt", logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+    )
     generation = _generation(state, body, prompts, params_for)
     if body.stream:
         return _sse(_completion_chunks(state, body, generation))
@@ -285,31 +342,37 @@ async def _completion_chunks(
 # ---- chat -----------------------------------------------------------------------------------
 
 
-def _chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool) -> PreparedPrompt:
+async def _chat_prompt(
+    state: ServerState, messages: list, add_generation_prompt: bool, template_kwargs: dict | None = None
+) -> PreparedPrompt:
     if state.tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [m.template_dict() for m in messages]
     try:
-        text = state.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        text = await asyncio.to_thread(
+            state.tokenizer.apply_chat_template,
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
         )
     except Exception as error:  # template errors are the request's fault (e.g. roles out of order)
         raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
-    token_ids = state.tokenizer.encode(text, add_special_tokens=False)
+    token_ids = await _encode(state, text, "messages", add_special_tokens=False)
     validate_token_ids(token_ids, state.client.info.vocab_size)
     return PreparedPrompt(token_ids, text)
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(body.model)
-    prompt = _chat_prompt(state, body.messages, body.add_generation_prompt)
+    prompt = await _chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested == 0:
         raise bad_request("max_tokens must be at least 1", "max_tokens")
-    params_for = _sampling(body, requested, state, logprobs=logprobs, prompt_logprobs=None)
+    params_for = _sampling(body, requested, state, "messages", logprobs=logprobs, prompt_logprobs=None)
     generation = _generation(state, body, [prompt], params_for)
     if body.stream:
         return _sse(_chat_chunks(state, body, generation))

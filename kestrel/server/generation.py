@@ -48,15 +48,16 @@ class ChoiceResult:
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
-    """OpenAI's rule: the prompt plus the completion must fit the context window."""
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+    """OpenAI's rule: the prompt plus the completion must fit the context window. `prompt_param`
+    names the prompt's field in errors ("prompt" or "messages")."""
     if requested is not None and requested < 0:
         raise bad_request(f"max_tokens must be non-negative, got {requested}", "max_tokens")
     if prompt_len > max_model_len or (requested is None and prompt_len >= max_model_len):
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
             f"{prompt_len} input tokens. Please reduce the length of the input.",
-            "messages",
+            prompt_param,
         )
     max_tokens = max_model_len - prompt_len if requested is None else requested
     if prompt_len + max_tokens > max_model_len:

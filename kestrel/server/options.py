@@ -15,6 +15,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--uvicorn-log-level", default="warning")
     parser.add_argument(
+        "--max-request-body-mb", type=float, default=32.0, help="larger request bodies get 413 before being read"
+    )
+    parser.add_argument(
         "--disable-log-requests", action="store_true", help="no info line per finished request (id, lengths, time)"
     )
     parser.add_argument(

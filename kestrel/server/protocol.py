@@ -1,13 +1,16 @@
 """OpenAI-compatible request bodies (pydantic), and their mapping onto `SamplingParams`.
 
-Unknown fields are accepted and ignored, as vLLM does.
+Unknown fields are accepted and ignored, as vLLM does; fields with a meaning that Kestrel
+does not implement yet are refused by name (`NOT_YET_SUPPORTED`), never silently ignored.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kestrel.sampling_params import SamplingParams
 
@@ -25,6 +28,30 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+# Field -> whether a value asks for nothing (then it is accepted). Anything else is a 400.
+NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: _unset(v) or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": _unset,
+    "tool_choice": lambda v: _unset(v) or v == "none",
+    "logit_bias": _unset,
+    "best_of": lambda v: v is None or v == 1,
+    "structured_outputs": _unset,
+    "guided_json": _unset,
+    "guided_regex": _unset,
+    "guided_choice": _unset,
+    "guided_grammar": _unset,
+    "guided_decoding_backend": _unset,
+    "return_tokens_as_token_ids": _unset,
+    "priority": lambda v: v is None or v == 0,
+    "allowed_token_ids": _unset,
+    "bad_words": _unset,
+}
 
 
 class StreamOptions(BaseModel):
@@ -55,6 +82,15 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, asks_nothing in NOT_YET_SUPPORTED.items():
+                if name in data and not asks_nothing(data[name]):
+                    raise bad_request(f"{name} is not supported by this server yet", name)
+        return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
@@ -97,10 +133,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    # A conversation's tool-call history goes to the chat template as it came.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -108,6 +159,27 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention, arguments parsed from JSON)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _json(c.function)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json(function: ToolCallFunction) -> Any:
+    try:
+        return json.loads(function.arguments)
+    except ValueError:
+        raise bad_request(f"tool call {function.name!r}: arguments are not valid JSON", "messages") from None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -117,6 +189,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(BaseModel):

@@ -91,6 +91,7 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         max_queue_len=args.max_queue_len,
         max_num_seqs=engine_args.max_num_seqs,
         log_requests=not args.disable_log_requests,
+        max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
     )
     state = ServerState(settings, client, tokenizer)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -1,0 +1,176 @@
+"""Hostile and careless input over a real socket: every answer in OpenAI's error shape, with
+the right status and the field named, and the server still serving afterwards."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL_NAME, ServerProcess
+
+
+def send(server: ServerProcess, method: str, path: str, content: bytes | None = None, **kwargs) -> httpx.Response:
+    headers = {"Content-Type": "application/json", **server.headers, **kwargs.pop("headers", {})}
+    return httpx.request(method, f"{server.base_url}{path}", content=content, headers=headers, timeout=60, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "__any__") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["code"] == status
+    if param != "__any__":
+        assert error["param"] == param, error
+    return error
+
+
+def still_serving(server: ServerProcess) -> None:
+    body = b'{"prompt": "still here", "max_tokens": 2}'
+    assert send(server, "POST", "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}', "messages"),
+        ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400(server, path, body, param):
+    headers = {"Content-Type": "application/json", **server.headers}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as client:
+        error = assert_error(client.post(path, content=body), 400, param)
+        assert "not valid Unicode" in error["message"]
+        # The same kept-alive connection still answers.
+        assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_framework_errors_come_in_openai_shape(server):
+    assert_error(send(server, "GET", "/v1/completions"), 405)
+    assert_error(send(server, "GET", "/v1/no-such-route"), 404)
+    assert_error(send(server, "POST", "/v1/completions", b"\xff\xfe not json"), 400)
+    assert_error(send(server, "POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000), 400)
+    still_serving(server)
+
+
+def test_a_request_that_could_never_be_admitted_is_a_400(server):
+    error = assert_error(send(server, "POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 1, "n": 10000}'), 400)
+    assert error["param"] == "n" and "at most" in error["message"]
+
+
+def test_tokenize_and_detokenize_need_the_key(server):
+    for path, body in (("/tokenize", b'{"prompt": "hi"}'), ("/detokenize", b'{"tokens": [1, 2]}')):
+        assert_error(send(server, "POST", path, body, headers={"Authorization": "Bearer wrong"}), 401)
+        assert send(server, "POST", path, body).status_code == 200
+
+
+def test_model_by_id_and_errors_name_their_field(server):
+    card = send(server, "GET", f"/v1/models/{MODEL_NAME}").json()
+    assert card["id"] == MODEL_NAME and card["object"] == "model"
+    assert_error(send(server, "GET", "/v1/models/other-model"), 404, "model")
+    long_prompt = b'{"prompt": [' + b",".join([b"5"] * 5000) + b'], "max_tokens": 1}'
+    assert_error(send(server, "POST", "/v1/completions", long_prompt), 400, "prompt")
+    assert_error(send(server, "POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}'), 400, "temperature")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("logit_bias", {"5": 10}),
+        ("best_of", 3),
+        ("guided_json", {"type": "object"}),
+        ("structured_outputs", {"json": {"type": "object"}}),
+        ("priority", 5),
+        ("return_tokens_as_token_ids", True),
+    ],
+)
+def test_fields_kestrel_does_not_implement_are_refused_by_name(server, field, value):
+    import json
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    error = assert_error(send(server, "POST", "/v1/chat/completions", json.dumps(body).encode()), 400, field)
+    assert "not supported" in error["message"]
+
+
+def test_fields_that_ask_for_nothing_are_accepted(server):
+    import json
+
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "response_format": {"type": "text"},
+        "tools": [],
+        "tool_choice": "none",
+        "priority": 0,
+    }
+    assert send(server, "POST", "/v1/chat/completions", json.dumps(body).encode()).status_code == 200
+
+
+def test_tool_call_history_reaches_the_template(server):
+    import json
+
+    history = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"a": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    body = {"messages": history, "max_tokens": 2}
+    assert send(server, "POST", "/v1/chat/completions", json.dumps(body).encode()).status_code == 200
+    broken = json.loads(json.dumps(body))
+    broken["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    assert_error(send(server, "POST", "/v1/chat/completions", json.dumps(broken).encode()), 400, "messages")
+
+
+def test_an_oversized_body_is_a_413_and_a_big_prompt_does_not_stall_health(server_model):
+    server = ServerProcess(server_model, "--max-request-body-mb", "4")
+    try:
+        assert_error(send(server, "POST", "/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}'), 413)
+        big = b'{"prompt": "' + b"hello world " * 250_000 + b'", "max_tokens": 1}'  # 3 MB, seconds to tokenize
+        answers: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda: answers.append(send(server, "POST", "/v1/completions", big)))
+        worker.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+        health_seconds = time.monotonic() - start
+        worker.join()
+        assert_error(answers[0], 400, "prompt")  # longer than the context window
+        assert health_seconds < 1.0
+    finally:
+        server.stop()
+
+
+def test_health_is_503_while_draining(server_model):
+    server = ServerProcess(server_model, "--shutdown-timeout", "20")
+    try:
+        body = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True}
+        stream = threading.Thread(
+            target=lambda: httpx.post(
+                f"{server.base_url}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                timeout=60,
+            )
+        )
+        stream.start()
+        time.sleep(0.5)
+        server.terminate()
+        deadline = time.monotonic() + 10
+        status = None
+        while time.monotonic() < deadline and status != 503:
+            status = httpx.get(f"{server.base_url}/health", timeout=5).status_code
+            time.sleep(0.05)
+        assert status == 503
+        stream.join()
+    finally:
+        server.stop()
