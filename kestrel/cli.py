@@ -90,13 +90,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kestrel.config import EngineArgs
     from kestrel.server.engine_client import EngineDeadError
-    from kestrel.server.serve import serve
+    from kestrel.server.serve import EngineCoreDied, serve
 
     try:
         asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
     except EngineDeadError as error:  # the core could not start: say why, without a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except EngineCoreDied as error:  # it died while serving: exit non-zero for a supervisor
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -37,6 +37,8 @@ from kestrel.server.protocol import (
     bad_request,
 )
 
+RETRY_AFTER_SECONDS = 1  # what a refused request's Retry-After says: the queue moves every step
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -83,10 +85,12 @@ class ServerState:
             )
         if self.client.num_in_flight + new_requests > limit:
             raise ApiError(
-                503,
+                429,
                 f"the server is overloaded: more than {limit} requests in flight; retry later",
-                "ServiceUnavailableError",
+                "RateLimitError",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             )
+        self.client.reserve(new_requests)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -175,7 +179,7 @@ def build_app(state: ServerState) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -48,6 +48,7 @@ class EngineClient:
         self.stats = CoreStats(0, 0, 0, 0)
         self.dead_reason: str | None = None
         self._pending: dict[str, _Pending] = {}
+        self._reserved = 0
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=run_engine_core, args=(args, child_conn), name="kestrel-core")
@@ -81,7 +82,17 @@ class EngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending)
+        """Requests registered, plus seats reserved for requests admitted but not yet sent."""
+        return len(self._pending) + self._reserved
+
+    def reserve(self, count: int) -> None:
+        """Hold `count` seats for admitted requests: admission and registration are apart by
+        awaits (tokenization, the response's start), and a burst must not pass the limit between."""
+        self._reserved += count
+
+    def release(self, count: int) -> None:
+        """Give back seats reserved for requests that will never be sent."""
+        self._reserved = max(self._reserved - count, 0)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -119,9 +130,12 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reserved: bool = False
     ) -> AsyncIterator[RequestDelta]:
-        """Deltas for one request until it finishes; leaving early aborts it in the core."""
+        """Deltas for one request until it finishes; leaving early aborts it in the core.
+        `reserved`: the request takes over a seat that `reserve` held for it."""
+        if reserved:
+            self.release(1)
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         pending = _Pending(asyncio.Queue())

@@ -90,6 +90,8 @@ class Generation:
     log_requests: bool = True  # one info line per finished choice (never the prompt text)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Choices sent to the engine so far; the rest hold seats reserved at admission.
+    _num_sent: int = field(default=0, init=False)
 
     @property
     def num_choices(self) -> int:
@@ -116,18 +118,24 @@ class Generation:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.client.release(self.num_choices - self._num_sent)
 
     async def _pump(self, index: int, merged: asyncio.Queue) -> None:
         prompt = self.prompts[index // self.n]
         timer = RequestTimer(self.metrics, time.monotonic(), len(prompt.token_ids))
         engine_id = f"{self.request_id}-{index}"
         num_output_tokens = 0
+        finish_reason = None
+        self._num_sent += 1  # the generator registers the request, taking its seat, on its first step
         try:
-            async for delta in self.client.generate(engine_id, prompt.token_ids, self.choice_params(index)):
+            async for delta in self.client.generate(
+                engine_id, prompt.token_ids, self.choice_params(index), reserved=True
+            ):
                 now = time.monotonic()
                 timer.tokens(now, len(delta.new_token_ids), delta.queue_seconds)
                 num_output_tokens += len(delta.new_token_ids)
                 if delta.finish_reason is not None:
+                    finish_reason = delta.finish_reason
                     timer.finished(now, delta.finish_reason)
                     if self.log_requests:
                         logger.info(
@@ -141,6 +149,8 @@ class Generation:
                 merged.put_nowait((index, delta))
             merged.put_nowait(None)
         except asyncio.CancelledError:
+            if finish_reason is None:  # the client left: the engine request is aborted
+                timer.finished(time.monotonic(), "abort")
             raise
         except Exception as error:  # handed to the consumer, which decides the HTTP answer
             merged.put_nowait(error)

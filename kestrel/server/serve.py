@@ -25,6 +25,7 @@ from kestrel.weights.checkpoint import load_tokenizer_from, open_checkpoint
 
 logger = logging.getLogger("kestrel.server")
 ABORT_GRACE_SECONDS = 2.0
+CORE_WATCH_SECONDS = 0.5
 
 
 class DrainingServer(uvicorn.Server):
@@ -102,9 +103,27 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         flush=True,
     )
     stats_task = None if args.disable_log_stats else asyncio.create_task(log_engine_stats(client, state.metrics))
+    watchdog = asyncio.create_task(stop_when_core_dies(server, client))
     try:
         await server.serve()
+        died = None if client.alive else client.dead_reason  # before our own shutdown stops it
     finally:
+        watchdog.cancel()
         if stats_task is not None:
             stats_task.cancel()
         await client.shutdown()
+    if died is not None:
+        raise EngineCoreDied(died)
+
+
+class EngineCoreDied(RuntimeError):
+    """The server stopped because its engine core died; the process exits non-zero so that a
+    supervisor restarts it, as vLLM's does."""
+
+
+async def stop_when_core_dies(server: uvicorn.Server, client: EngineClient) -> None:
+    while client.alive:
+        await asyncio.sleep(CORE_WATCH_SECONDS)
+    logger.error("%s; failing the requests in flight and stopping the server", client.dead_reason)
+    await asyncio.sleep(CORE_WATCH_SECONDS)  # the in-flight requests' error responses go out
+    server.should_exit = True
