@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # Below this, a temperature means greedy decoding (vLLM's convention).
@@ -39,6 +40,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Added to the chosen tokens' logits before sampling ({token_id: bias}, bias in [-100, 100]).
+    logit_bias: Mapping[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: tuple[int, ...] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -48,6 +53,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:
+            bias = {int(token): float(value) for token, value in dict(self.logit_bias).items()}
+            object.__setattr__(self, "logit_bias", bias or None)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -79,6 +89,14 @@ class SamplingParams:
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (
+                all(t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+                "logit_bias maps non-negative token ids to biases in [-100, 100]",
+            ),
+            (
+                self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
+                "allowed_token_ids must be a non-empty list of non-negative token ids",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -89,6 +107,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Logit bias or an allow-list: logits change before sampling, from the params alone."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id the params name, for a check against the vocabulary."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or ())]
 
     @property
     def uses_penalties(self) -> bool:

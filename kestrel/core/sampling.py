@@ -1,4 +1,5 @@
-"""The sampler: penalties, temperature, top-k / top-p / min-p, seeded draws and logprobs.
+"""The sampler: logit bias and allow-lists, penalties, temperature, top-k / top-p / min-p,
+seeded draws and logprobs (of the model's own distribution, before any of these).
 
 Every request draws from its own generator, so a seeded request samples the same tokens
 whatever else shares its batch. The generators are host-side `random.Random`s: one uniform
@@ -67,6 +68,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             ids = values_to_device(list(row.output_token_ids), torch.long, logits.device)
             counts = torch.zeros_like(line).index_add_(0, ids, torch.ones_like(ids, dtype=line.dtype))
             line -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logit bias (added) and allow-lists (everything else -inf), row by row, in place."""
+    for index, row in enumerate(rows):
+        params = row.params
+        line = logits[index]
+        if params.allowed_token_ids is not None:
+            allowed = values_to_device(list(params.allowed_token_ids), torch.long, logits.device)
+            kept = line[allowed]
+            line.fill_(float("-inf"))
+            line[allowed] = kept
+        if params.logit_bias:
+            ids = values_to_device(list(params.logit_bias), torch.long, logits.device)
+            line[ids] += values_to_device(list(params.logit_bias.values()), line.dtype, logits.device)
     return logits
 
 
@@ -219,8 +236,8 @@ class Sampler:
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = logits.log_softmax(dim=-1)
-        if any(row.params.uses_penalties for row in rows):
-            logits = apply_penalties(logits.clone(), rows)
+        if any(row.params.constrains_tokens or row.params.uses_penalties for row in rows):
+            logits = apply_penalties(apply_token_constraints(logits.clone(), rows), rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if len(random_rows) == len(rows):
             tokens = self._draw(logits, rows)

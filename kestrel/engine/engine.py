@@ -78,6 +78,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        named = [t for t in params.token_ids_named() if t >= vocab]
+        if named:
+            raise ValueError(f"token ids in the sampling params out of range [0, {vocab}): {named[:5]}")
         length, limit = len(prompt_token_ids), self.max_model_len
         if length > limit or (length == limit and params.max_tokens != 0):
             raise ValueError(

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
+from kestrel.sampling_params import SamplingParams
 from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
 from kestrel.server.formatting import chat_logprobs, legacy_logprobs, usage
 from kestrel.server.generation import (
@@ -196,6 +197,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(bad_request(message or "invalid request", location).body(), status_code=400)
 
 
+def _check_named_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise bad_request(f"{name} holds token ids out of range [0, {vocab_size}): {outside[:5]}", name)
+
+
 def _named_field(message: str, body: SamplingFields) -> str | None:
     """The request field a sampling error names first ("temperature must be ..."), if any."""
     first_word = message.split(" ", 1)[0]
@@ -250,9 +262,11 @@ def _sampling(
     def params_for(prompt_len: int):
         max_tokens = resolve_max_tokens(requested_max, prompt_len, state.max_model_len, prompt_param)
         try:
-            return body.sampling_params(max_tokens, **logprob_args)
+            params = body.sampling_params(max_tokens, **logprob_args)
         except ValueError as error:
             raise bad_request(str(error), _named_field(str(error), body)) from None
+        _check_named_token_ids(params, state.client.info.vocab_size)
+        return params
 
     return params_for
 

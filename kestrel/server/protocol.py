@@ -47,7 +47,6 @@ NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: _unset(v) or (isinstance(v, dict) and v.get("type") == "text"),
     "tools": _unset,
     "tool_choice": lambda v: _unset(v) or v == "none",
-    "logit_bias": _unset,
     "best_of": lambda v: v is None or v == 1,
     "structured_outputs": _unset,
     "guided_json": _unset,
@@ -57,7 +56,6 @@ NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": _unset,
     "return_tokens_as_token_ids": _unset,
     "priority": lambda v: v is None or v == 0,
-    "allowed_token_ids": _unset,
     "bad_words": _unset,
 }
 
@@ -90,6 +88,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -99,6 +99,14 @@ class SamplingFields(BaseModel):
                 if name in data and not asks_nothing(data[name]):
                     raise bad_request(f"{name} is not supported by this server yet", name)
         return data
+
+    def _token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError('logit_bias keys must be token ids, e.g. {"50256": -100}') from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
@@ -121,6 +129,8 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._token_bias(),
+            allowed_token_ids=self.allowed_token_ids,
         )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")

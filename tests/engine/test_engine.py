@@ -316,3 +316,21 @@ def test_progress_bar_shows_token_speeds(qwen3_llm, capsys):
     qwen3_llm.generate(["one", "two"], GREEDY, use_tqdm=True)
     shown = capsys.readouterr().err
     assert re.search(r"2/2 .*est\. speed input: [\d.]+ toks/s, output: [\d.]+ toks/s", shown)
+
+
+def test_allowed_token_ids_and_logit_bias_steer_sampling(qwen3_llm):
+    allowed = qwen3_llm.generate(
+        "Hello", SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=[7, 9]), use_tqdm=False
+    )[0].outputs[0]
+    assert set(allowed.token_ids) <= {7, 9} and len(allowed.token_ids) == 12
+    free = qwen3_llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
+    target = next(t for t in range(100, 200) if t not in free.token_ids)
+    biased = qwen3_llm.generate("Hello", GREEDY.replace(logit_bias={target: 100}), use_tqdm=False)[0].outputs[0]
+    assert biased.token_ids == [target] * len(free.token_ids)
+    banned = free.token_ids[0]
+    avoided = qwen3_llm.generate("Hello", GREEDY.replace(logit_bias={banned: -100}), use_tqdm=False)[0].outputs[0]
+    assert avoided.token_ids[0] != banned
+    with pytest.raises(ValueError, match="out of range"):
+        qwen3_llm.generate("Hello", GREEDY.replace(allowed_token_ids=[10**7]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"biases in \[-100, 100\]"):
+        SamplingParams(logit_bias={5: 1000})

@@ -82,7 +82,6 @@ def test_model_by_id_and_errors_name_their_field(server):
         ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("tool_choice", "required"),
-        ("logit_bias", {"5": 10}),
         ("best_of", 3),
         ("guided_json", {"type": "object"}),
         ("structured_outputs", {"json": {"type": "object"}}),
@@ -174,3 +173,20 @@ def test_health_is_503_while_draining(server_model):
         stream.join()
     finally:
         server.stop()
+
+
+def test_logit_bias_and_allowed_token_ids_over_http(server):
+    import json
+
+    def piece(token: int) -> str:
+        return send(server, "POST", "/detokenize", json.dumps({"tokens": [token]}).encode()).json()["prompt"]
+
+    token = next(t for t in range(300, 400) if piece(t).strip().isalpha())  # a plain word piece
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logit_bias": {str(token): 100}}
+    answer = send(server, "POST", "/v1/completions", json.dumps(body).encode())
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["text"] == piece(token) * 4
+    body = {"prompt": "Hello", "max_tokens": 4, "allowed_token_ids": [10**7]}
+    assert_error(send(server, "POST", "/v1/completions", json.dumps(body).encode()), 400, "allowed_token_ids")
+    body = {"prompt": "Hello", "max_tokens": 4, "logit_bias": {"x": 1}}
+    assert_error(send(server, "POST", "/v1/completions", json.dumps(body).encode()), 400, "logit_bias")
