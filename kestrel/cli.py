@@ -9,7 +9,7 @@ from kestrel.config import KV_CACHE_DTYPES
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     parser.add_argument("--device", default="auto")
     parser.add_argument(
         "--kv-cache-dtype",
@@ -38,10 +38,23 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
+    # vLLM's flags: the same names as the offline API's vLLM arguments (engine/compat.py).
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM's name for --page-size")
+    parser.add_argument("--trust-remote-code", action="store_true", help="accepted; Kestrel runs no checkpoint code")
+    parser.add_argument("--quantization", "-q", default=None, help="not supported yet: only unquantized weights")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--swap-space", type=float, default=None, help="accepted; preemption recomputes")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
+    from kestrel.engine.compat import resolve_vllm_arguments
+
+    vllm_flags = {
+        name: value
+        for name in ("trust_remote_code", "quantization", "enable_chunked_prefill", "swap_space")
+        if (value := getattr(args, name)) not in (None, False)
+    }
+    return resolve_vllm_arguments(vllm_flags) | dict(
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
@@ -50,7 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        page_size=args.page_size,
+        page_size=args.block_size or args.page_size,
         seed=args.seed,
         load_format=args.load_format,
         tokenizer=args.tokenizer,
@@ -89,9 +102,17 @@ def run_serve(args: argparse.Namespace) -> int:
     import sys
 
     from kestrel.config import EngineArgs
+    from kestrel.sampling_params import MAX_LOGPROBS
     from kestrel.server.engine_client import EngineDeadError
     from kestrel.server.serve import EngineCoreDied, serve
 
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    args.model = args.model or args.model_option
+    if not args.model:
+        raise ValueError("serve needs a model: kestrel serve MODEL (or --model MODEL)")
+    if args.max_logprobs > MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs {args.max_logprobs} is above {MAX_LOGPROBS}, the most Kestrel returns")
     try:
         asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
     except EngineDeadError as error:  # the core could not start: say why, without a traceback

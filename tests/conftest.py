@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist each worker takes one core's share, so workers do not fight over threads.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 from tests.checkpoints import write_checkpoint  # noqa: E402
 

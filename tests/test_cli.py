@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -83,3 +85,30 @@ def test_a_hugging_face_id_resolves_through_the_local_cache(tmp_path, checkpoint
     missing = kestrel("generate", "--model", "tiny-org/absent", "--prompt", "Hello", env=offline)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "'tiny-org/absent' is not in the local Hugging Face cache" in missing.stderr
+
+
+def test_a_copied_vllm_serve_line_starts_and_its_flags_work(checkpoint_dir):
+    from tests.server.conftest import ServerProcess
+
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    server = ServerProcess(
+        checkpoint_dir("qwen3"),
+        *("--served-model-name", "first-name", "second-name"),
+        *("--trust-remote-code", "--enable-chunked-prefill", "--generation-config", "auto", "--block-size", "8"),
+        *("--max-logprobs", "5", "--chat-template", template, "--disable-log-requests", "--dtype", "float"),
+        name_flag=False,
+    )
+    try:
+        url, headers = server.base_url, server.headers
+        body = {"model": "second-name", "prompt": "Hi", "max_tokens": 2, "logprobs": 5}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=headers).status_code == 200
+        too_many = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 6}, headers=headers)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "x"}]}, headers=headers)
+        detok = httpx.post(f"{url}/detokenize", json={"tokens": tokens.json()["tokens"]}, headers=headers)
+        assert detok.json()["prompt"] == "<<x>>"
+        assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "first-name"
+    finally:
+        server.stop()
+    quantized = kestrel("serve", str(checkpoint_dir("qwen3")), "--port", "0", "--quantization", "awq")
+    assert quantized.returncode == 2 and "quantization='awq' is not supported yet" in quantized.stderr

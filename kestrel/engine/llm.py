@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kestrel.config import EngineArgs
+from kestrel.engine.compat import resolve_vllm_arguments
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.outputs import RequestOutput
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
@@ -22,7 +23,8 @@ class LLM:
     of a `with LLM(...) as llm:` block, or when the object is collected."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        """`engine_args`: `EngineArgs`' fields, or vLLM's names for them (`engine/compat.py`)."""
+        self.engine = LLMEngine(EngineArgs(model=model, **resolve_vllm_arguments(engine_args)))
         self._ids = itertools.count()
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
@@ -67,14 +69,30 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """Apply the chat template (the tokenizer's, or `chat_template`) and generate; `tools` are
+        rendered into the prompt by the template, as vLLM's `LLM.chat` does."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self._require_tokenizer()
-        if tokenizer.chat_template is None:
-            raise ValueError("the tokenizer has no chat template; use generate() with a plain prompt")
+        if chat_template is None and tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template= or use generate()")
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # continuing the last message opens no new one (vLLM's rule)
         prompts = [
-            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
-            for c in conversations
+            tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 

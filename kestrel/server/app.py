@@ -50,6 +50,8 @@ class ServerSettings:
     max_num_seqs: int
     log_requests: bool = True
     max_request_body_bytes: int = 32 << 20
+    model_aliases: tuple[str, ...] = ()  # further names requests may use (--served-model-name a b)
+    max_logprobs: int = 20
 
 
 class ServerState:
@@ -70,7 +72,8 @@ class ServerState:
         return self.tokenizer.decode([token_id])
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
+        names = (self.settings.served_model_name, *self.settings.model_aliases)
+        if model is not None and model not in names:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def check_capacity(self, new_requests: int) -> None:
@@ -261,6 +264,11 @@ def _sampling(
 ) -> Any:
     def params_for(prompt_len: int):
         max_tokens = resolve_max_tokens(requested_max, prompt_len, state.max_model_len, prompt_param)
+        limit = state.settings.max_logprobs
+        for count in logprob_args.values():
+            if count is not None and count > limit:
+                field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+                raise bad_request(f"{field} {count} is above this server's limit of {limit} (--max-logprobs)", field)
         try:
             params = body.sampling_params(max_tokens, **logprob_args)
         except ValueError as error:

@@ -4,13 +4,35 @@ from __future__ import annotations
 
 import argparse
 
+from kestrel.sampling_params import MAX_LOGPROBS
+
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a checkpoint directory, a .gguf file, or a Hugging Face model id")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("model", nargs="?", help="a checkpoint directory, a .gguf file, or a Hugging Face model id")
+    parser.add_argument("--model", dest="model_option", default=None, help="the model, as a flag (vLLM accepts both)")
+    parser.add_argument("--host", default="0.0.0.0", help="the address to listen on; all interfaces by default")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names requests may use; the first is the one reported"
+    )
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    parser.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under")
+    parser.add_argument("--allowed-origins", default='["*"]', help="CORS origins, a JSON list")
+    parser.add_argument("--ssl-keyfile", default=None)
+    parser.add_argument("--ssl-certfile", default=None)
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help=f"the most logprobs a request may ask for (<= {MAX_LOGPROBS})",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "vllm"],
+        help="Kestrel reads only eos ids from generation_config.json; sampling defaults are vLLM's either way",
+    )
     parser.add_argument("--max-queue-len", type=int, default=1024, help="requests waiting beyond max-num-seqs")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--uvicorn-log-level", default="warning")

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+from fastapi.middleware.cors import CORSMiddleware
 
 from kestrel.config import EngineArgs
 from kestrel.server.app import ServerSettings, ServerState, build_app
@@ -81,12 +84,23 @@ def load_front_end_tokenizer(engine_args: EngineArgs) -> Any:
     return tokenizer
 
 
+def read_chat_template(template: str) -> str:
+    """`--chat-template`: a file's contents, or the template itself."""
+    path = Path(template).expanduser()
+    return path.read_text() if path.is_file() else template
+
+
 async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     tokenizer = load_front_end_tokenizer(engine_args)
+    if args.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(args.chat_template)
     client = EngineClient(engine_args)
     ready = await client.start()
+    names = tuple(args.served_model_name or [args.model])
     settings = ServerSettings(
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=names[0],
+        model_aliases=names[1:],
+        max_logprobs=args.max_logprobs,
         model_path=args.model,
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
@@ -95,7 +109,17 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
     )
     state = ServerState(settings, client, tokenizer)
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    app = build_app(state)
+    app.add_middleware(CORSMiddleware, allow_origins=json.loads(args.allowed_origins), allow_methods=["*"])
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+    )
     server = DrainingServer(config, state, args.shutdown_timeout)
     print(
         f"Kestrel serving {settings.served_model_name} (max_model_len {ready.max_model_len}) "

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 from kestrel import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from kestrel.core.bindings import WeightBindingError
 from kestrel.core.runner import ModelRunner
+from kestrel.core.runtime.base import DeviceRuntime
+from kestrel.core.runtime.cpu import CpuRuntime
 from kestrel.models.registry import UnsupportedArchitectureError
 from kestrel.weights.checkpoint import MissingWeightsError
 from tests.checkpoints import HYBRID_FAMILIES
@@ -214,7 +216,14 @@ def test_start_up_warm_up_runs_the_largest_steps_and_leaves_nothing_behind(check
         return original(self, work)
 
     monkeypatch.setattr(ModelRunner, "execute", recording_execute)
-    llm = LLM(path, page_size=8, max_num_batched_tokens=96, max_num_seqs=12, max_model_len=64)
+    settings = dict(page_size=8, max_num_batched_tokens=96, max_num_seqs=12, max_model_len=64)
+    LLM(path, **settings)
+    # The CPU runtime sizes its warm-up down: one small prefill, then a small decode batch.
+    assert steps == [[32], [1] * 2]
+    steps.clear()
+    # The default (CUDA's): the largest steps the planner may send.
+    monkeypatch.setattr(CpuRuntime, "warm_up_size", DeviceRuntime.warm_up_size)
+    llm = LLM(path, **settings)
     monkeypatch.undo()
     # A full prefill budget in prompts of at most max_model_len, then a full decode batch.
     assert steps == [[64], [1] * 12]

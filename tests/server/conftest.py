@@ -25,7 +25,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, model: Path, *extra: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None
+        self,
+        model: Path,
+        *extra: str,
+        api_key: str | None = API_KEY,
+        env: dict[str, str] | None = None,
+        name_flag: bool = True,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -37,8 +42,7 @@ class ServerProcess:
             str(model),
             "--port",
             str(self.port),
-            "--served-model-name",
-            MODEL_NAME,
+            *(["--served-model-name", MODEL_NAME] if name_flag else []),
             *extra,
         ]
         if api_key:

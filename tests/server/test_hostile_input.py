@@ -144,7 +144,7 @@ def test_an_oversized_body_is_a_413_and_a_big_prompt_does_not_stall_health(serve
         health_seconds = time.monotonic() - start
         worker.join()
         assert_error(answers[0], 400, "prompt")  # longer than the context window
-        assert health_seconds < 1.0
+        assert health_seconds < 2.0
     finally:
         server.stop()
 
