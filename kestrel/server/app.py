@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kestrel
 from kestrel.sampling_params import SamplingParams
 from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
-from kestrel.server.formatting import chat_logprobs, legacy_logprobs, usage
+from kestrel.server.formatting import chat_logprobs, legacy_logprobs, token_id_piece, usage
 from kestrel.server.generation import (
     ChoiceResult,
     Generation,
@@ -200,6 +200,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(bad_request(message or "invalid request", location).body(), status_code=400)
 
 
+def _piece(state: ServerState, body: SamplingFields) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or "token_id:N" where the request asks for ids."""
+    return token_id_piece if body.return_tokens_as_token_ids else state.piece
+
+
 def _check_named_token_ids(params: SamplingParams, vocab_size: int) -> None:
     for name, ids in (
         ("stop_token_ids", params.stop_token_ids),
@@ -319,7 +324,7 @@ def _completion_choice(state: ServerState, body: CompletionRequest, result: Choi
         if body.echo:
             token_ids = prompt.token_ids + token_ids
             entries = list(result.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
-        logprobs = legacy_logprobs(token_ids, entries, body.logprobs, state.piece)
+        logprobs = legacy_logprobs(token_ids, entries, body.logprobs, _piece(state, body))
     return {
         "index": result.index,
         "text": text,
@@ -345,7 +350,7 @@ async def _completion_chunks(
         logprobs = None
         if body.logprobs is not None:
             logprobs = legacy_logprobs(
-                delta.new_token_ids, delta.new_logprobs or [], body.logprobs, state.piece, offsets[index]
+                delta.new_token_ids, delta.new_logprobs or [], body.logprobs, _piece(state, body), offsets[index]
             )
             offsets[index] += len(delta.new_text)
         yield _chunk(
@@ -409,7 +414,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         {
             "index": r.index,
             "message": {"role": "assistant", "content": r.text},
-            "logprobs": chat_logprobs(r.token_ids, r.logprobs, logprobs, state.piece) if body.logprobs else None,
+            "logprobs": chat_logprobs(r.token_ids, r.logprobs, logprobs, _piece(state, body))
+            if body.logprobs
+            else None,
             "finish_reason": r.finish_reason,
             "stop_reason": r.stop_reason,
         }
@@ -446,7 +453,7 @@ async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, generati
         completion_tokens += len(delta.new_token_ids)
         logprobs = None
         if body.logprobs:
-            logprobs = chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], count, state.piece)
+            logprobs = chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], count, _piece(state, body))
         content = {"content": delta.new_text} if delta.new_text or delta.finish_reason is None else {}
         yield _chunk(
             state,

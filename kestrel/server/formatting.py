@@ -15,9 +15,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _top(entry: PositionLogprobs, count: int) -> list[tuple[str, float]]:
-    ranked = sorted(entry.values(), key=lambda lp: -lp.logprob)[:count]
-    return [(lp.decoded_token or "", lp.logprob) for lp in ranked]
+def _top(entry: PositionLogprobs, count: int, piece: Any) -> list[tuple[str, float]]:
+    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:count]
+    return [(piece(token_id), lp.logprob) for token_id, lp in ranked]
+
+
+def token_id_piece(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` rendering: unique where texts may collide or be partial."""
+    return f"token_id:{token_id}"
 
 
 def legacy_logprobs(
@@ -39,7 +44,7 @@ def legacy_logprobs(
             result["top_logprobs"].append(None)
             continue
         result["token_logprobs"].append(entry[token_id].logprob)
-        result["top_logprobs"].append(dict(_top(entry, count)))
+        result["top_logprobs"].append(dict(_top(entry, count, piece)))
     return result
 
 
@@ -53,7 +58,7 @@ def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], count: 
                 "logprob": entry[token_id].logprob,
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in _top(entry, count)
+                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in _top(entry, count, piece)
                 ],
             }
         )

@@ -54,7 +54,6 @@ NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _unset,
     "guided_grammar": _unset,
     "guided_decoding_backend": _unset,
-    "return_tokens_as_token_ids": _unset,
     "priority": lambda v: v is None or v == 0,
     "bad_words": _unset,
 }
@@ -89,6 +88,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's)
     allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="before")

@@ -86,7 +86,6 @@ def test_model_by_id_and_errors_name_their_field(server):
         ("guided_json", {"type": "object"}),
         ("structured_outputs", {"json": {"type": "object"}}),
         ("priority", 5),
-        ("return_tokens_as_token_ids", True),
     ],
 )
 def test_fields_kestrel_does_not_implement_are_refused_by_name(server, field, value):
@@ -190,3 +189,23 @@ def test_logit_bias_and_allowed_token_ids_over_http(server):
     assert_error(send(server, "POST", "/v1/completions", json.dumps(body).encode()), 400, "allowed_token_ids")
     body = {"prompt": "Hello", "max_tokens": 4, "logit_bias": {"x": 1}}
     assert_error(send(server, "POST", "/v1/completions", json.dumps(body).encode()), 400, "logit_bias")
+
+
+def test_return_tokens_as_token_ids_names_every_token_by_id(server):
+    import json
+
+    body = {"prompt": "Hello", "max_tokens": 4, "logprobs": 3, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    logprobs = send(server, "POST", "/v1/completions", json.dumps(body).encode()).json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 4 and all(t.startswith("token_id:") for t in logprobs["tokens"])
+    for chosen, top in zip(logprobs["tokens"], logprobs["top_logprobs"]):
+        assert len(top) == 3 and all(key.startswith("token_id:") for key in top)  # ids never collide
+        assert int(chosen.removeprefix("token_id:")) >= 0
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
+    content = send(server, "POST", "/v1/chat/completions", json.dumps(chat).encode()).json()["choices"][0]
+    assert all(entry["token"].startswith("token_id:") for entry in content["logprobs"]["content"])
