@@ -44,6 +44,10 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     # Only these tokens may be sampled.
     allowed_token_ids: tuple[int, ...] | None = None
+    # Words never to generate (vLLM's rule: a word's last token is banned once the tokens
+    # before it were generated); the engine tokenizes them into `bad_words_token_ids`.
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -58,6 +62,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", bias or None)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -97,6 +103,7 @@ class SamplingParams:
                 self.allowed_token_ids is None or (self.allowed_token_ids and min(self.allowed_token_ids) >= 0),
                 "allowed_token_ids must be a non-empty list of non-negative token ids",
             ),
+            (all(w.strip() for w in self.bad_words), "bad_words must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
@@ -110,12 +117,18 @@ class SamplingParams:
 
     @property
     def constrains_tokens(self) -> bool:
-        """Logit bias or an allow-list: logits change before sampling, from the params alone."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        """Logit bias, an allow-list or bad words: logits change before sampling."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """The sampler reads the tokens generated so far (penalties, multi-token bad words)."""
+        return self.uses_penalties or bool(self.bad_words_token_ids)
 
     def token_ids_named(self) -> list[int]:
         """Every token id the params name, for a check against the vocabulary."""
-        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or ())]
+        words = [token for word in self.bad_words_token_ids for token in word]
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or ()), *words]
 
     @property
     def uses_penalties(self) -> bool:

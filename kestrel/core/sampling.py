@@ -84,7 +84,20 @@ def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> to
         if params.logit_bias:
             ids = values_to_device(list(params.logit_bias), torch.long, logits.device)
             line[ids] += values_to_device(list(params.logit_bias.values()), line.dtype, logits.device)
+        banned = banned_by_bad_words(params.bad_words_token_ids, row.output_token_ids)
+        if banned:
+            line[values_to_device(banned, torch.long, logits.device)] = float("-inf")
     return logits
+
+
+def banned_by_bad_words(words: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """Each word's last token, where the tokens generated last are the word's first ones."""
+    banned = []
+    for word in words:
+        prefix = list(word[:-1])
+        if not prefix or list(output_token_ids[len(output_token_ids) - len(prefix) :]) == prefix:
+            banned.append(word[-1])
+    return banned
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -95,6 +95,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; fan n > 1 out into requests")
+        params = self._with_bad_words_tokenized(params)
         self.validate_prompt(prompt_token_ids, params)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -143,10 +144,24 @@ class LLMEngine:
                 outputs += self._read_in_flight()
         return outputs
 
+    def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        """Each bad word's token ids, as the word starts a text and as it follows a space (vLLM's rule)."""
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none (pass bad_words_token_ids)")
+        words = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in words:
+                    words.append(ids)
+        return params.replace(bad_words_token_ids=tuple(words))
+
     def _needs_host_tokens(self) -> bool:
-        """Whether the next step's work depends on results still on the device: penalties
-        read every output token, and prompt logprobs continue from the last chunk's."""
-        return any(r.params.uses_penalties or r.wants_prompt_logprobs for r in self._running)
+        """Whether the next step's work depends on results still on the device: penalties and
+        bad words read every output token, and prompt logprobs continue from the last chunk's."""
+        return any(r.params.needs_output_tokens or r.wants_prompt_logprobs for r in self._running)
 
     def _read_in_flight(self) -> list[RequestOutput]:
         in_flight, self._in_flight = self._in_flight, None
@@ -246,8 +261,8 @@ class LLMEngine:
             sample=sample,
             params=params,
             seed=request.seed,
-            prompt_token_ids=request.prompt_token_ids if params.uses_penalties else (),
-            output_token_ids=request.output_token_ids if params.uses_penalties else (),
+            prompt_token_ids=request.prompt_token_ids if params.needs_output_tokens else (),
+            output_token_ids=request.output_token_ids if params.needs_output_tokens else (),
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
             state_slot=slot,
             follows_last_sample=follows,

@@ -55,7 +55,6 @@ NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_grammar": _unset,
     "guided_decoding_backend": _unset,
     "priority": lambda v: v is None or v == 0,
-    "bad_words": _unset,
 }
 
 
@@ -90,6 +89,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's)
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -131,6 +131,7 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._token_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or (),
         )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")

@@ -148,3 +148,13 @@ def test_top_p_from_candidates_equals_the_full_sort(temperature):
     )
     expected = logits.masked_fill(drop, float("-inf"))
     assert torch.equal(apply_top_p(logits, top_p), expected)
+
+
+def test_bad_words_ban_a_words_last_token_once_its_start_was_generated():
+    from kestrel.core.sampling import banned_by_bad_words
+
+    words = [(7,), (5, 9), (1, 2, 3)]
+    assert banned_by_bad_words(words, []) == [7]
+    assert banned_by_bad_words(words, [4, 5]) == [7, 9]
+    assert banned_by_bad_words(words, [1, 2]) == [7, 3]
+    assert banned_by_bad_words(words, [2, 1]) == [7]

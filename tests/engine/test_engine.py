@@ -343,3 +343,19 @@ def test_allowed_token_ids_and_logit_bias_steer_sampling(qwen3_llm):
         qwen3_llm.generate("Hello", GREEDY.replace(allowed_token_ids=[10**7]), use_tqdm=False)
     with pytest.raises(ValueError, match=r"biases in \[-100, 100\]"):
         SamplingParams(logit_bias={5: 1000})
+
+
+def test_bad_words_are_never_generated(qwen3_llm):
+    tokenizer = qwen3_llm.get_tokenizer()
+    free = qwen3_llm.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0]
+    # A word of the free text that is one token as it stands after a space.
+    word = next(
+        text
+        for token in free.token_ids
+        if (text := tokenizer.decode([token])).startswith(" ")
+        and text.strip().isalpha()
+        and tokenizer.encode(text, add_special_tokens=False) == [token]
+    )
+    banned = qwen3_llm.generate("The quick brown fox", GREEDY.replace(bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert tokenizer.encode(word, add_special_tokens=False)[0] not in banned.token_ids
+    assert banned.token_ids != free.token_ids

@@ -185,6 +185,11 @@ def test_logit_bias_and_allowed_token_ids_over_http(server):
     answer = send(server, "POST", "/v1/completions", json.dumps(body).encode())
     assert answer.status_code == 200
     assert answer.json()["choices"][0]["text"] == piece(token) * 4
+    token_text = piece(token)
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logit_bias": {str(token): 100}}
+    body["bad_words"] = [token_text]  # the word the bias pushes for can no longer come
+    banned = send(server, "POST", "/v1/completions", json.dumps(body).encode())
+    assert banned.status_code == 200 and token_text not in banned.json()["choices"][0]["text"]
     body = {"prompt": "Hello", "max_tokens": 4, "allowed_token_ids": [10**7]}
     assert_error(send(server, "POST", "/v1/completions", json.dumps(body).encode()), 400, "allowed_token_ids")
     body = {"prompt": "Hello", "max_tokens": 4, "logit_bias": {"x": 1}}
