@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kestrel
 from kestrel.sampling_params import SamplingParams
 from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
-from kestrel.server.formatting import chat_logprobs, legacy_logprobs, token_id_piece, usage
+from kestrel.server.formatting import chat_logprobs, legacy_logprobs, text_offsets, token_id_piece, usage
 from kestrel.server.generation import (
     ChoiceResult,
     Generation,
@@ -97,19 +97,30 @@ class ServerState:
         self.client.reserve(new_requests)
 
 
+class BodySizeLimit:
+    """413 for a body whose declared length is over the limit, before it is read. Plain ASGI:
+    Starlette's `BaseHTTPMiddleware` would hide client disconnects from the routes."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"").decode()
+            if length.isdigit() and int(length) > self.limit:
+                message = f"the request body is {length} bytes; the limit is {self.limit}"
+                error = ApiError(413, message, "RequestTooLargeError")
+                await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Kestrel", version=kestrel.__version__)
     app.state.kestrel = state
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length", "")
-        limit = state.settings.max_request_body_bytes
-        if length.isdigit() and int(length) > limit:
-            error = ApiError(413, f"the request body is {length} bytes; the limit is {limit}", "RequestTooLargeError")
-            return JSONResponse(error.body(), status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodySizeLimit, limit=state.settings.max_request_body_bytes)
 
     async def require_key(request: Request) -> None:
         key = state.settings.api_key
@@ -321,10 +332,12 @@ def _completion_choice(state: ServerState, body: CompletionRequest, result: Choi
     logprobs = None
     if body.logprobs is not None:
         token_ids, entries = result.token_ids, list(result.logprobs)
+        offsets = text_offsets(state.tokenizer, prompt.token_ids, token_ids, len(prompt_text) if body.echo else 0)
         if body.echo:
             token_ids = prompt.token_ids + token_ids
             entries = list(result.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
-        logprobs = legacy_logprobs(token_ids, entries, body.logprobs, _piece(state, body))
+            offsets = text_offsets(state.tokenizer, [], prompt.token_ids, 0) + offsets
+        logprobs = legacy_logprobs(token_ids, entries, body.logprobs, _piece(state, body), offsets)
     return {
         "index": result.index,
         "text": text,
@@ -345,13 +358,17 @@ async def _completion_chunks(
         prompt = generation.prompts[index // generation.n]
         text = delta.new_text
         if not echoed[index]:
-            text = (prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)) + text
-            echoed[index] = True
+            echo = prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
+            text, offsets[index], echoed[index] = echo + text, len(echo), True
         logprobs = None
         if body.logprobs is not None:
-            logprobs = legacy_logprobs(
-                delta.new_token_ids, delta.new_logprobs or [], body.logprobs, _piece(state, body), offsets[index]
-            )
+            # One token per delta but for the last steps' catch-up: later tokens of a delta start
+            # where the one before them ends, by its own text.
+            starts = [offsets[index]]
+            for token_id in delta.new_token_ids[:-1]:
+                starts.append(starts[-1] + len(state.piece(token_id)))
+            piece = _piece(state, body)
+            logprobs = legacy_logprobs(delta.new_token_ids, delta.new_logprobs or [], body.logprobs, piece, starts)
             offsets[index] += len(delta.new_text)
         yield _chunk(
             state,
@@ -414,7 +431,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         {
             "index": r.index,
             "message": {"role": "assistant", "content": r.text},
-            "logprobs": chat_logprobs(r.token_ids, r.logprobs, logprobs, _piece(state, body))
+            "logprobs": chat_logprobs(r.token_ids, r.logprobs, logprobs, _piece(state, body), state.tokenizer)
             if body.logprobs
             else None,
             "finish_reason": r.finish_reason,
@@ -453,7 +470,9 @@ async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, generati
         completion_tokens += len(delta.new_token_ids)
         logprobs = None
         if body.logprobs:
-            logprobs = chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], count, _piece(state, body))
+            logprobs = chat_logprobs(
+                delta.new_token_ids, delta.new_logprobs or [], count, _piece(state, body), state.tokenizer
+            )
         content = {"content": delta.new_text} if delta.new_text or delta.finish_reason is None else {}
         yield _chunk(
             state,

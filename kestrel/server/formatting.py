@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.outputs import PositionLogprobs
 
 
@@ -30,15 +32,13 @@ def legacy_logprobs(
     entries: list[PositionLogprobs | None],
     count: int,
     piece: Any,
-    text_offset: int = 0,
+    offsets: Sequence[int],
 ) -> dict[str, list]:
-    """The completions API's {tokens, token_logprobs, top_logprobs, text_offset}."""
-    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    """The completions API's {tokens, token_logprobs, top_logprobs, text_offset}; `offsets` are
+    where each token's text starts in the choice's text."""
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": list(offsets)}
     for token_id, entry in zip(token_ids, entries):
-        text = piece(token_id)
-        result["tokens"].append(text)
-        result["text_offset"].append(text_offset)
-        text_offset += len(text)
+        result["tokens"].append(piece(token_id))
         if entry is None:
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
@@ -48,18 +48,47 @@ def legacy_logprobs(
     return result
 
 
-def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], count: int, piece: Any) -> dict:
+def text_offsets(tokenizer: Any, context_ids: list[int], token_ids: list[int], start: int) -> list[int]:
+    """Where each token's text starts, decoding as the engine does (after `context_ids`), so the
+    offsets add up to the text even where a token ends inside a UTF-8 character."""
+    detokenizer = IncrementalDetokenizer(tokenizer, context_ids, skip_special_tokens=True)
+    offsets = []
+    for token_id in token_ids:
+        offsets.append(start + len(detokenizer.text))
+        detokenizer.push(token_id)
+    return offsets
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table), stand-in -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    stand_ins = {byte: chr(byte) for byte in printable}
+    others = (byte for byte in range(256) if byte not in stand_ins)
+    stand_ins.update({byte: chr(256 + index) for index, byte in enumerate(others)})
+    return {char: byte for byte, char in stand_ins.items()}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    """A token's own bytes: for byte-level vocabularies the exact bytes, even where the token
+    ends inside a UTF-8 character (its text alone would be a replacement character)."""
+    raw = tokenizer.convert_ids_to_tokens(token_id)
+    if raw and all(char in BYTE_LEVEL for char in raw):
+        return [BYTE_LEVEL[char] for char in raw]
+    return list(tokenizer.decode([token_id]).encode("utf-8"))
+
+
+def chat_logprobs(
+    token_ids: list[int], entries: list[PositionLogprobs], count: int, piece: Any, tokenizer: Any
+) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token": piece(token_id), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
+
     content = []
     for token_id, entry in zip(token_ids, entries):
-        text = piece(token_id)
-        content.append(
-            {
-                "token": text,
-                "logprob": entry[token_id].logprob,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in _top(entry, count, piece)
-                ],
-            }
-        )
+        ranked = sorted(entry.items(), key=lambda pair: -pair[1].logprob)[:count]
+        top = [item(token, logprob.logprob) for token, logprob in ranked]
+        content.append(item(token_id, entry[token_id].logprob) | {"top_logprobs": top})
     return {"content": content}

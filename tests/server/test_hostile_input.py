@@ -214,3 +214,22 @@ def test_return_tokens_as_token_ids_names_every_token_by_id(server):
     }
     content = send(server, "POST", "/v1/chat/completions", json.dumps(chat).encode()).json()["choices"][0]
     assert all(entry["token"].startswith("token_id:") for entry in content["logprobs"]["content"])
+
+
+def test_logprob_offsets_add_up_and_bytes_rebuild_the_text(server):
+    import json
+
+    body = {"prompt": "Café 東京 🙂", "max_tokens": 40, "logprobs": 1, "temperature": 1.0, "seed": 7, "echo": True}
+    body["ignore_eos"] = True
+    choice = send(server, "POST", "/v1/completions", json.dumps(body).encode()).json()["choices"][0]
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(choice["text"])
+    assert len(set(offsets)) > len(offsets) // 2  # they move with the text, not all zeros
+    chat = {"messages": [{"role": "user", "content": "Café 🙂"}], "max_tokens": 40, "logprobs": True, "seed": 3}
+    chat["ignore_eos"] = True
+    message = send(server, "POST", "/v1/chat/completions", json.dumps(chat).encode()).json()["choices"][0]
+    from kestrel.demo import SPECIAL_TOKENS  # skipped in the text, so left out of the bytes too
+
+    pieces = [entry for entry in message["logprobs"]["content"] if entry["token"] not in SPECIAL_TOKENS]
+    rebuilt = b"".join(bytes(entry["bytes"]) for entry in pieces)
+    assert rebuilt.decode("utf-8", errors="replace").rstrip("\ufffd") == message["message"]["content"].rstrip("\ufffd")
