@@ -27,6 +27,9 @@ WITHOUT_EFFECT = {
     "tokenizer_mode": "the tokenizer is transformers' fast tokenizer",
     "worker_cls": "workers are Kestrel's own",
     "enable_sleep_mode": "there is no sleep mode",
+    "disable_async_output_proc": "outputs are always processed while the next step runs",
+    "use_v2_block_manager": "Kestrel has one paged KV allocator",
+    "served_model_name": "the offline engine answers no requests by model name",
 }
 
 # Accepted only at their default: anything else asks for what Kestrel does not do yet.
@@ -39,6 +42,12 @@ DEFAULT_ONLY = {
     "hf_overrides": None,
     "kv_transfer_config": None,
     "enable_lora": False,
+    "num_scheduler_steps": 1,
+    "scheduling_policy": "fcfs",
+    "download_dir": None,
+    "limit_mm_per_prompt": None,
+    "mm_processor_kwargs": None,
+    "max_logprobs": 20,
 }
 
 
