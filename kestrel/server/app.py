@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
 from kestrel.sampling_params import SamplingParams
 from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
+from kestrel.server.errors import BodySizeLimit, install_error_handlers
 from kestrel.server.formatting import chat_logprobs, legacy_logprobs, text_offsets, token_id_piece, usage
 from kestrel.server.generation import (
     ChoiceResult,
@@ -97,28 +96,10 @@ class ServerState:
         self.client.reserve(new_requests)
 
 
-class BodySizeLimit:
-    """413 for a body whose declared length is over the limit, before it is read. Plain ASGI:
-    Starlette's `BaseHTTPMiddleware` would hide client disconnects from the routes."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length", b"").decode()
-            if length.isdigit() and int(length) > self.limit:
-                message = f"the request body is {length} bytes; the limit is {self.limit}"
-                error = ApiError(413, message, "RequestTooLargeError")
-                await JSONResponse(error.body(), status_code=413)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Kestrel", version=kestrel.__version__)
     app.state.kestrel = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     app.add_middleware(BodySizeLimit, limit=state.settings.max_request_body_bytes)
 
@@ -189,26 +170,6 @@ def build_app(state: ServerState) -> FastAPI:
         return await _chat(state, body, request)
 
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        # Unknown routes, wrong methods, unreadable bodies: the framework's errors, OpenAI's shape.
-        kinds = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
-        body = ApiError(error.status_code, str(error.detail), kinds.get(error.status_code, "BadRequestError")).body()
-        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        location = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in error.errors())
-        return JSONResponse(bad_request(message or "invalid request", location).body(), status_code=400)
 
 
 def _piece(state: ServerState, body: SamplingFields) -> Callable[[int], str]:
