@@ -1,4 +1,4 @@
-"""EngineArgs: what a user asks for. Resolved once into the engine's parts (engine/setup.py)."""
+"""EngineArgs: what a user asks for. Resolved once into the engine's parts (engine/composition.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kestrel.engine.distributed import GroupAddress
+from kestrel.distributed.group import GroupAddress
 
 SIZES_MB = (0.0625, 1, 16, 64, 256)
 REPEATS = 20

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kestrel import LLM, SamplingParams
 from kestrel.bench.trace import device_timeline
+from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.graph import GraphKey, GraphPhase
 
 
@@ -168,13 +169,12 @@ def main() -> None:
     page_size = parts.kv.spec.page_size
     pages_per_seq = -(-args.context // page_size)
     size = graphs.buckets[-1]
-    table = torch.arange(size * pages_per_seq, device="cuda").view(size, pages_per_seq) % (
-        parts.kv.allocator.num_pages - 1
-    )
-    graphs.page_table[:size, :pages_per_seq] = table
-    graphs.seq_lens[:size] = args.context
+    table = torch.arange(size * pages_per_seq).view(size, pages_per_seq) % (parts.kv.total_capacity() - 1)
+    chunks = tuple(SequenceChunk(1, args.context - 1, tuple(row.tolist())) for row in table)
+    layout = BatchLayout(chunks, len(chunks), page_size)
+    for group in graphs.groups.values():
+        group.binder.prepare_replay(layout, size)
     graphs.positions[:size] = args.context - 1
-    graphs.slots[:size] = table[:, -1] * page_size
     report[f"replay_ms_{size}_ctx{args.context}"] = replay_ms(graphs, size, 20)
     kernel_table(graphs, size, out / f"kernels_batch{size}.txt")
     report[f"replay_timeline_{size}"] = replay_timeline(graphs, size, out / f"timeline_batch{size}.json")

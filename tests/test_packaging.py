@@ -32,7 +32,7 @@ def test_the_wheel_declares_the_dependencies_and_the_command(tmp_path):
         info = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
         metadata = archive.read(info).decode()
         entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
-        assert "kestrel/engine/worker.py" in archive.namelist()
+        assert "kestrel/distributed/worker.py" in archive.namelist()
     declared = {
         re.split(r"[<>=!;\[ ]", line.removeprefix("Requires-Dist: "), maxsplit=1)[0].lower().replace("_", "-")
         for line in metadata.splitlines()

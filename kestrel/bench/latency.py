@@ -93,7 +93,7 @@ def time_hf(model, prompt: list[int], output_len: int) -> dict[str, float]:
 def run_latency_benchmark(args: argparse.Namespace) -> int:
     from kestrel import LLM
     from kestrel.bench.throughput import build_hf_model, random_prompts
-    from kestrel.cli import engine_kwargs
+    from kestrel.engine.options import engine_kwargs
 
     kwargs = engine_kwargs(args)
     if args.dummy_config:

@@ -143,7 +143,7 @@ def build_hf_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.d
 
 def run_throughput_benchmark(args: argparse.Namespace) -> int:
     from kestrel import LLM
-    from kestrel.cli import engine_kwargs
+    from kestrel.engine.options import engine_kwargs
 
     kwargs = engine_kwargs(args)
     if args.dummy_config:

@@ -1,24 +1,28 @@
-"""CUDA graphs for decode steps: static buffers, buckets captured largest first into one
-memory pool, padding to the bucket, and replay keyed by `GraphKey`.
+"""CUDA graphs for decode steps: buckets captured largest first into one memory pool,
+padding to the bucket, and replay keyed by `GraphKey`.
 
-Padded rows decode one throwaway token: they write to the pool's scratch page and attend
-to it alone, so they touch no request's state.
+This module owns only the token inputs (ids and positions). Every state group's binder
+supplies its own static metadata through the graph hooks of `StepBinder`, so any backend or
+state provider that implements them joins the graphs. Padded rows decode token 0 at
+position 0, and each binder points them at its provider's scratch unit, so they touch no
+request's state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from kestrel.core.attention.base import AttentionBackend
-from kestrel.core.batch import BatchLayout, page_table, to_device
-from kestrel.core.forward import ForwardContext
+from kestrel.core.batch import BatchLayout, to_device
+from kestrel.core.forward import bind_groups
 from kestrel.core.graph import GraphKey, GraphPhase
-from kestrel.core.metadata import AttentionMetadata, DecodeMetadata
-from kestrel.core.state import PagedKVProvider
+from kestrel.core.state import StateGroup
+from kestrel.core.workspace import Workspace
+
+_TOKEN_INPUTS = "graph.input_ids_and_positions"
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -31,48 +35,40 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+def graphs_supported(groups: Mapping[str, StateGroup]) -> bool:
+    return all(group.binder.supports_graphs for group in groups.values())
+
+
 class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,
-        backend: AttentionBackend,
-        kv: PagedKVProvider,
+        groups: Mapping[str, StateGroup],
+        workspace: Workspace,
         max_num_seqs: int,
         max_pages_per_seq: int,
     ) -> None:
-        self.model, self.backend, self.kv = model, backend, kv
+        if not graphs_supported(groups):
+            refusing = sorted(name for name, group in groups.items() if not group.binder.supports_graphs)
+            raise ValueError(f"state groups {refusing} cannot join captured graphs")
+        self.model, self.groups = model, groups
         self.buckets = decode_buckets(max_num_seqs)
-        device = kv.layer(0).key.device
         largest = self.buckets[-1]
-
-        def buffer(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
-
-        # One buffer for the per-row vectors, so a step fills them with one copy.
-        self.vectors = buffer(4, largest)
-        self.input_ids, self.positions, self.slots, self.seq_lens = self.vectors
-        self.page_table = buffer(largest, max_pages_per_seq)
+        workspace.reserve(_TOKEN_INPUTS, 2 * largest, torch.long)
+        self.tokens = workspace.get(_TOKEN_INPUTS, (2, largest), torch.long)
+        self.input_ids, self.positions = self.tokens
+        for group in groups.values():
+            group.binder.prepare_capture(workspace, group.provider.scratch_id, largest, max_pages_per_seq)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
 
     def _forward(self, size: int) -> torch.Tensor:
-        metadata = AttentionMetadata(
-            phase=GraphPhase.DECODE,
-            slot_mapping=self.slots[:size],
-            decode=DecodeMetadata(size, self.seq_lens[:size], self.page_table[:size], max_seq_len=0),
-            prefill=None,
-        )
-        hidden = self.model(
-            self.input_ids[:size], self.positions[:size], ForwardContext(self.backend, metadata, self.kv)
-        )
+        context = bind_groups(self.groups, lambda binder: binder.capture_metadata(size))
+        hidden = self.model(self.input_ids[:size], self.positions[:size], context)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        scratch = self.kv.scratch_page  # every row a padded one until the first step fills them
-        self.slots.fill_(scratch * self.kv.spec.page_size)
-        self.seq_lens.fill_(1)
-        self.page_table[:, 0] = scratch
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in reversed(self.buckets):  # largest first, so smaller ones fit in its pool
@@ -94,7 +90,6 @@ class DecodeGraphs:
         self,
         layout: BatchLayout,
         token_ids: Sequence[int],
-        positions: Sequence[int],
         fill_input_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a decode-only step, by replaying the bucket's graph.
@@ -104,22 +99,12 @@ class DecodeGraphs:
         """
         count = len(layout.chunks)
         size = self.bucket_for(count)
-        scratch = self.kv.scratch_page
-        # Padded rows decode token 0 at position 0 into the scratch page: one host array and
-        # one copy for the four vectors, padding included, instead of a launch per vector.
-        vectors = np.zeros((4, size), dtype=np.int64)
-        vectors[0, :count] = token_ids
-        vectors[1, :count] = positions
-        table = page_table(layout.chunks, fill=scratch, num_rows=size)
-        cached = vectors[1, :count]  # a decode row's position is its count of cached tokens
-        vectors[2] = scratch * layout.page_size
-        vectors[2, :count] = table[np.arange(count), cached // layout.page_size] * layout.page_size
-        vectors[2, :count] += cached % layout.page_size
-        vectors[3] = 1
-        vectors[3, :count] = cached + 1
-        device = self.input_ids.device
-        self.vectors[:, :size].copy_(to_device(vectors, device))
-        self.page_table[:size, : table.shape[1]].copy_(to_device(table, device))
+        tokens = np.zeros((2, size), dtype=np.int64)
+        tokens[0, :count] = token_ids
+        tokens[1, :count] = layout.positions
+        self.tokens[:, :size].copy_(to_device(tokens, self.input_ids.device))
+        for group in self.groups.values():
+            group.binder.prepare_replay(layout, size)
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids[:count])
         key = GraphKey(GraphPhase.DECODE, size)

@@ -1,23 +1,36 @@
-"""ForwardContext: what a model's attention layers receive for one step, passed as an argument."""
+"""ForwardContext: what a model's layers receive for one step, passed as an argument: each
+state group's provider, binder and bound metadata."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec
-from kestrel.core.metadata import AttentionMetadata, RecurrentMetadata
-from kestrel.core.state import PagedKVProvider, RecurrentLayerState, RecurrentStateProvider
+from kestrel.core.batch import KV_GROUP
+from kestrel.core.metadata import RecurrentMetadata
+from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentLayerState
+from kestrel.core.state import StateGroup
+
+
+@dataclass(frozen=True)
+class BoundGroup:
+    group: StateGroup
+    metadata: Any  # what the group's binder made for this step
 
 
 @dataclass(frozen=True)
 class ForwardContext:
-    backend: AttentionBackend
-    metadata: AttentionMetadata
-    kv: PagedKVProvider
-    recurrent: RecurrentStateProvider | None = None  # hybrid models: linear-attention state
-    recurrent_metadata: RecurrentMetadata | None = None
+    groups: Mapping[str, BoundGroup]
+
+    def bound(self, name: str) -> BoundGroup:
+        bound = self.groups.get(name)
+        if bound is None:
+            raise RuntimeError(f"a layer asked for state group {name!r}, which this model's runner does not have")
+        return bound
 
     def attend(
         self,
@@ -26,12 +39,20 @@ class ForwardContext:
         key: torch.Tensor,
         value: torch.Tensor,
         layer: AttentionLayerSpec,
+        group: str = KV_GROUP,
     ) -> torch.Tensor:
-        cache = self.kv.layer(layer_index)
-        return self.backend.forward(query, key, value, cache, self.metadata, layer)
+        bound = self.bound(group)
+        backend: AttentionBackend = bound.group.binder
+        return backend.forward(query, key, value, bound.group.provider.layer(layer_index), bound.metadata, layer)
 
-    def recurrent_state(self, layer_index: int) -> tuple[RecurrentLayerState, RecurrentMetadata]:
+    def recurrent_state(
+        self, layer_index: int, group: str = RECURRENT_GROUP
+    ) -> tuple[RecurrentLayerState, RecurrentMetadata]:
         """The linear-attention layer's state slots and where this step's sequences keep theirs."""
-        if self.recurrent is None or self.recurrent_metadata is None:
-            raise RuntimeError("a linear-attention layer ran without a recurrent state provider")
-        return self.recurrent.layer(layer_index), self.recurrent_metadata
+        bound = self.bound(group)
+        return bound.group.provider.layer(layer_index), bound.metadata
+
+
+def bind_groups(groups: Mapping[str, StateGroup], bind: Any) -> ForwardContext:
+    """A context whose metadata `bind(binder)` makes, group by group."""
+    return ForwardContext({name: BoundGroup(group, bind(group.binder)) for name, group in groups.items()})

@@ -9,9 +9,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from kestrel.core.bindings import WeightBindings
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.state import KVCacheSpec, RecurrentStateSpec
+from kestrel.core.recurrent_state import RecurrentStateSpec
+from kestrel.core.state import KVCacheSpec
+from kestrel.core.weight_bindings import WeightBindings
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"

@@ -238,7 +238,37 @@ class DeviceSamples:
         return [SampledToken(token_id=t, logprobs=by_row.get(i)) for i, t in enumerate(token_list)]
 
 
+@dataclass(frozen=True)
+class LastSamples:
+    """The tokens a step sampled, still on the device, and which row is whose (a request's
+    last row where it drew several): the next step may take its inputs from them."""
+
+    rows: dict[str, int]
+    tokens: torch.Tensor | None  # None on a tensor-parallel worker until rank 0 shares them
+
+
 class Sampler:
+    """Samples rows of logits. It owns the sampling state that outlives a step: each request's
+    generator (seeded at its first draw, forgotten at `forget`) and the last step's samples."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, random.Random] = {}
+        self.last: LastSamples | None = None
+
+    def generator(self, request_id: str, seed: int) -> random.Random:
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = self._generators[request_id] = random.Random(seed)
+        return generator
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def remember(self, sampled_ids: Sequence[str], tokens: torch.Tensor | None) -> None:
+        """Keep this step's samples (on a worker, only whose rows they are) for the next step."""
+        rows = {request_id: row for row, request_id in enumerate(sampled_ids)}
+        self.last = LastSamples(rows, tokens) if rows else None
+
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         """`logits` [rows, vocab] in float32, straight from the model; waits for the device."""
         samples = self.sample_on_device(logits, rows)

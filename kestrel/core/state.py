@@ -1,7 +1,14 @@
-"""Per-request state memory: specs that layers declare, and the paged KV provider.
+"""Per-request state memory: the specs state groups declare, and their providers.
 
-Ownership: the `PagedKVProvider` owns every page. A request owns the pages reserved for it
-from `reserve` until `release`; nobody else frees them.
+A recipe's layers name the state group they keep their state in (`KV_GROUP` for paged keys
+and values, `RECURRENT_GROUP` for linear-attention slots, or a group of their own); the
+composition root builds one `StateProvider` per group, and `StateGroup` pairs it with the
+`StepBinder` that makes its per-step metadata.
+
+Ownership: a provider owns every unit (page, slot) of its pool. A request owns the units
+reserved for it from `reserve` until `release`; nobody else frees them. `rollback` gives back
+what a request reserved past a point (rejected draft tokens), `export` / `import_state`
+copy what it holds to host memory and back (`core/transfer.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.core.binder import StepBinder
 from kestrel.core.prefix_cache import PrefixCache
 
 # The float8 dtypes a KV pool may store (with a backend that declares it can read them).
@@ -98,14 +106,24 @@ class PageAllocator:
 
     def release(self, request_id: str) -> None:
         for page in reversed(self._owned.pop(request_id, [])):
-            self._refs[page] -= 1
-            self._num_used -= self._refs[page] == 0
-            if self._refs[page] > 0:
-                continue
-            if self.prefix_cache is not None and page in self.prefix_cache:
-                self.prefix_cache.offer(page)  # unused but cached: evictable from now on
-            else:
-                self._free.append(page)
+            self._drop_ref(page)
+
+    def _drop_ref(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] > 0:
+            return
+        self._num_used -= 1
+        if self.prefix_cache is not None and page in self.prefix_cache:
+            self.prefix_cache.offer(page)  # unused but cached: evictable from now on
+        else:
+            self._free.append(page)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's pages past the ones `num_tokens` tokens fill."""
+        pages = self._owned.get(request_id, [])
+        keep = self.pages_needed(num_tokens)
+        while len(pages) > keep:
+            self._drop_ref(pages.pop())
 
     def pages_of(self, request_id: str) -> list[int]:
         return self._owned.get(request_id, [])
@@ -131,6 +149,8 @@ class PageAllocator:
 class StateProvider(ABC):
     """Owns one kind of per-request state memory and hands it to requests."""
 
+    scratch_id: int  # a unit no request ever owns: padded rows of a captured graph write there
+
     @abstractmethod
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Make room for `num_tokens` tokens of the request; return its page (or slot) ids."""
@@ -151,6 +171,31 @@ class StateProvider(ABC):
     def held_by(self, request_id: str) -> list[int]:
         """The units the request holds now; empty for unknown requests."""
 
+    @abstractmethod
+    def rollback(self, request_id: str, num_tokens: int) -> int:
+        """Forget the request's state past its first `num_tokens` tokens (rejected draft
+        tokens); return how many tokens of state it keeps, which the caller recomputes from."""
+
+    @abstractmethod
+    def export(self, request_id: str) -> list[torch.Tensor]:
+        """Host copies of the request's state (its units stay owned until `release`)."""
+
+    @abstractmethod
+    def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
+        """Reserve room for `num_tokens` tokens and write `export`'s copies into it."""
+
+    @abstractmethod
+    def layer(self, index: int) -> object:
+        """The pool's view of one of the group's layers, as its layers read it."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a backend wants the paged pool laid out: head-major pages, and whether each
+    page's values are stored slot-minor (a float8 pool read by the Triton kernels)."""
+
+    values_by_slot: bool = False
+
 
 @dataclass(frozen=True)
 class KVLayerCache:
@@ -165,6 +210,7 @@ class KVLayerCache:
 
     key: torch.Tensor
     value: torch.Tensor
+    layer_index: int = 0  # its index in the pool: a backend keys per-layer caches by it
 
     @property
     def values_by_slot(self) -> bool:
@@ -175,7 +221,12 @@ class PagedKVProvider(StateProvider):
     """The paged KV pool for every full-attention layer, sized from an explicit byte budget."""
 
     def __init__(
-        self, spec: KVCacheSpec, budget_bytes: int, device: torch.device, enable_prefix_caching: bool = False
+        self,
+        spec: KVCacheSpec,
+        budget_bytes: int,
+        device: torch.device,
+        enable_prefix_caching: bool = False,
+        layout: KVLayout | None = None,  # the backend's `kv_layout`; by default, as for the dtype
     ) -> None:
         num_pages = spec.pages_for_budget(budget_bytes)
         if num_pages < 1:
@@ -188,18 +239,20 @@ class PagedKVProvider(StateProvider):
         self.allocator = PageAllocator(num_pages, spec.page_size, cache)
         # One page past the allocator's range that no request ever owns: padded rows of a
         # captured graph write their throwaway keys and values there.
-        self.scratch_page = num_pages
+        self.scratch_page = self.scratch_id = num_pages
+        self.layout = layout or KVLayout(values_by_slot=spec.dtype in FLOAT8_KV_DTYPES)
         shape = (spec.num_layers, 2, spec.num_kv_heads, num_pages + 1, spec.page_size, spec.head_dim)
         # Zeros, not empty: masked-out positions are multiplied by zero weights, and
         # uninitialised memory may hold NaN, which would survive that multiplication.
         self._storage = torch.zeros(shape, dtype=spec.dtype, device=device)
         self._layers = tuple(
-            KVLayerCache(key=layer[0], value=self._values(layer[1])) for layer in self._storage.unbind(0)
+            KVLayerCache(key=layer[0], value=self._values(layer[1]), layer_index=index)
+            for index, layer in enumerate(self._storage.unbind(0))
         )
 
     def _values(self, pages: torch.Tensor) -> torch.Tensor:
         """One layer's value pages, as KVLayerCache describes them."""
-        if self.spec.dtype not in FLOAT8_KV_DTYPES:
+        if not self.layout.values_by_slot:
             return pages
         heads, num_pages, page_size, head_dim = pages.shape
         return pages.view(heads, num_pages, head_dim, page_size).transpose(2, 3)
@@ -230,6 +283,37 @@ class PagedKVProvider(StateProvider):
     def held_by(self, request_id: str) -> list[int]:
         return list(self.allocator.pages_of(request_id))
 
+    def rollback(self, request_id: str, num_tokens: int) -> int:
+        self.allocator.truncate(request_id, num_tokens)
+        return num_tokens  # keys and values past it are simply overwritten later
+
+    def export(self, request_id: str) -> list[torch.Tensor]:
+        """Every layer's keys and values of the request's pages: [layers, 2, heads, pages, page, dim]."""
+        pages = torch.tensor(self.allocator.pages_of(request_id), dtype=torch.long, device=self._storage.device)
+        return [self._storage.index_select(3, pages).to("cpu", non_blocking=False)]
+
+    def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
+        pages = self.reserve(request_id, num_tokens)
+        (copied,) = state
+        if copied.shape[3] != len(pages):
+            raise ValueError(f"request {request_id}: {copied.shape[3]} exported pages, {len(pages)} reserved")
+        index = torch.tensor(pages, dtype=torch.long, device=self._storage.device)
+        self._storage.index_copy_(3, index, copied.to(self._storage.device))
+        return pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.allocator.num_used_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages held only by the prefix cache."""
+        return self.allocator.num_cached_pages
+
     @property
     def prefix_cache(self) -> PrefixCache | None:
         return self.allocator.prefix_cache
@@ -244,87 +328,10 @@ class PagedKVProvider(StateProvider):
 
 
 @dataclass(frozen=True)
-class RecurrentStateSpec:
-    """The fixed-size state one stack of linear-attention (gated DeltaNet) layers keeps per
-    request: the last inputs of the causal convolution and the recurrent matrix per head."""
+class StateGroup:
+    """One state group at run time: its provider, and the binder of its per-step metadata
+    (the attention backend for a KV group; the provider itself for recurrent state)."""
 
-    num_layers: int
-    conv_channels: int
-    conv_width: int  # inputs kept: the kernel size minus one
-    num_heads: int
-    key_dim: int
-    value_dim: int
-    conv_dtype: torch.dtype
-    state_dtype: torch.dtype = torch.float32  # the recurrence accumulates: kept in float32
-
-    def bytes_per_slot(self) -> int:
-        conv = self.conv_channels * self.conv_width * torch.empty((), dtype=self.conv_dtype).element_size()
-        state = self.num_heads * self.key_dim * self.value_dim * torch.empty((), dtype=self.state_dtype).element_size()
-        return self.num_layers * (conv + state)
-
-
-@dataclass(frozen=True)
-class RecurrentLayerState:
-    """One linear-attention layer's slots: conv [slots, channels, width] and
-    recurrent [slots, heads, key_dim, value_dim]."""
-
-    conv: torch.Tensor
-    recurrent: torch.Tensor
-
-
-class RecurrentStateProvider(StateProvider):
-    """One slot per running request, holding every linear-attention layer's state.
-
-    A slot's size does not grow with the sequence, so `reserve` hands out one slot whatever
-    the token count. Slots are not zeroed on reuse: a sequence that starts from its first
-    token starts from zero state by itself (see `RecurrentMetadata.has_state`).
-    """
-
-    def __init__(self, spec: RecurrentStateSpec, num_slots: int, device: torch.device) -> None:
-        if num_slots < 1:
-            raise ValueError(f"the recurrent state pool needs at least one slot, got {num_slots}")
-        self.spec = spec
-        self.num_slots = num_slots
-        self.scratch_slot = num_slots  # owned by no request: padded rows may write there
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._owned: dict[str, int] = {}
-        slots = num_slots + 1
-        conv = torch.zeros(
-            (spec.num_layers, slots, spec.conv_channels, spec.conv_width), dtype=spec.conv_dtype, device=device
-        )
-        recurrent = torch.zeros(
-            (spec.num_layers, slots, spec.num_heads, spec.key_dim, spec.value_dim),
-            dtype=spec.state_dtype,
-            device=device,
-        )
-        self._layers = tuple(RecurrentLayerState(conv[i], recurrent[i]) for i in range(spec.num_layers))
-
-    def layer(self, index: int) -> RecurrentLayerState:
-        return self._layers[index]
-
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        slot = self._owned.get(request_id)
-        if slot is None:
-            if not self._free:
-                raise OutOfPagesError(f"request {request_id} needs a recurrent state slot but all are taken")
-            slot = self._owned[request_id] = self._free.pop()
-        return [slot]
-
-    def release(self, request_id: str) -> None:
-        slot = self._owned.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)
-
-    def free_capacity(self) -> int:
-        return len(self._free)
-
-    def total_capacity(self) -> int:
-        return self.num_slots
-
-    def held_by(self, request_id: str) -> list[int]:
-        slot = self._owned.get(request_id)
-        return [] if slot is None else [slot]
-
-    @property
-    def num_used_slots(self) -> int:
-        return len(self._owned)
+    name: str
+    provider: StateProvider
+    binder: StepBinder

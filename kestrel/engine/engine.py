@@ -21,13 +21,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from kestrel.config import EngineArgs
+from kestrel.core.batch import KV_GROUP
 from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChunk, StepPlan
 from kestrel.core.runner import PendingStep, SequenceResult, SequenceWork
 from kestrel.core.sampling import TokenLogprobs
+from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kestrel.engine.request import Request, RequestStatus
-from kestrel.engine.setup import EngineParts, build_engine_parts
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -203,7 +204,7 @@ class LLMEngine:
         return RequestView(request.request_id, request.num_tokens, cached, 0)
 
     def _view(self, request: Request) -> RequestView:
-        pages = len(self.parts.kv.allocator.pages_of(request.request_id))
+        pages = len(self.parts.kv.held_by(request.request_id))
         return RequestView(request.request_id, request.num_planned_tokens, request.num_computed_tokens, pages)
 
     def _apply(self, plan: StepPlan) -> None:
@@ -237,9 +238,8 @@ class LLMEngine:
     def _release_pages(self, request: Request) -> None:
         """Give the request's pages back, leaving its computed full pages in the prefix cache."""
         self.parts.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
-        self.parts.kv.release(request.request_id)
-        if self.parts.recurrent is not None:
-            self.parts.recurrent.release(request.request_id)
+        for group in self.parts.groups.values():
+            group.provider.release(request.request_id)
 
     def _work_for(self, chunk: ScheduledChunk) -> SequenceWork:
         """Resolve a chunk into the runner's work, and count it as computed: its KV is written
@@ -247,9 +247,10 @@ class LLMEngine:
         request = self._requests[chunk.request_id]
         start = request.num_computed_tokens
         end = start + chunk.num_new_tokens
-        pages = self.parts.kv.reserve(request.request_id, end)
-        recurrent = self.parts.recurrent
-        slot = recurrent.reserve(request.request_id, end)[0] if recurrent is not None else None
+        state_ids = {
+            name: tuple(group.provider.reserve(request.request_id, end)) for name, group in self.parts.groups.items()
+        }
+        pages = state_ids.pop(KV_GROUP)
         params = request.params
         follows = end > request.num_tokens  # its last token is the pending one, on the device
         sample = end == request.num_planned_tokens and request.max_tokens > 0
@@ -258,13 +259,13 @@ class LLMEngine:
             token_ids=tuple(request.token_ids[start:end]) + ((0,) if follows else ()),
             num_cached_tokens=start,
             page_ids=tuple(pages),
-            sample=sample,
+            num_samples=int(sample),
             params=params,
             seed=request.seed,
             prompt_token_ids=request.prompt_token_ids if params.needs_output_tokens else (),
             output_token_ids=request.output_token_ids if params.needs_output_tokens else (),
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
-            state_slot=slot,
+            state_ids=state_ids,
             follows_last_sample=follows,
         )
         request.num_computed_tokens = end
@@ -284,19 +285,20 @@ class LLMEngine:
         outputs = []
         for result in results:
             request = requests[result.request_id]
-            if result.sampled is not None:
-                request.num_pending_tokens -= 1
+            request.num_pending_tokens -= len(result.sampled)
             if request.status is RequestStatus.FINISHED:
-                continue  # finished (or aborted) while this step ran: its extra token is dropped
+                continue  # finished (or aborted) while this step ran: its extra tokens are dropped
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(self._position_logprobs(lp) for lp in result.prompt_logprobs)
-            if result.sampled is not None:
-                self._append_token(request, result.sampled.token_id, result.sampled.logprobs)
-            elif request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+            for sampled in result.sampled:
+                self._append_token(request, sampled.token_id, sampled.logprobs)
+                if request.status is RequestStatus.FINISHED:
+                    break  # a stop: the samples after it are dropped
+            if not result.sampled and request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                 request.finish("length")
             if request.status is RequestStatus.FINISHED:
                 outputs.append(self._retire(request))
-            elif result.sampled is not None and request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            elif result.sampled and request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(request))
         return outputs
 
@@ -416,14 +418,14 @@ class LLMEngine:
         self.parts.executor.shutdown()
 
     def stats(self) -> EngineStats:
-        allocator = self.parts.kv.allocator
+        kv = self.parts.kv
         return EngineStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
-            num_free_pages=allocator.num_free_pages,
-            num_used_pages=allocator.num_used_pages,
-            num_cached_pages=allocator.num_cached_pages,
-            num_total_pages=allocator.num_pages,
+            num_free_pages=kv.num_free_pages,
+            num_used_pages=kv.num_used_pages,
+            num_cached_pages=kv.num_cached_pages,
+            num_total_pages=kv.total_capacity(),
             num_used_state_slots=self.parts.recurrent.num_used_slots if self.parts.recurrent else 0,
             num_total_state_slots=self.parts.recurrent.num_slots if self.parts.recurrent else 0,
             prefix_cache_queries=self._prefix_queries,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kestrel.core.bindings import WeightBindingError
 from kestrel.core.parallel import TensorParallel
+from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.layers import ops
 
 

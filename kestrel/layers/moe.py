@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.core.bindings import PackedMapping, WeightBindingError
 from kestrel.core.parallel import SINGLE, TensorParallel
+from kestrel.core.weight_bindings import PackedMapping, WeightBindingError
 from kestrel.layers import ops
 from kestrel.layers.linear import Linear, ShardSlice, copy_into
 

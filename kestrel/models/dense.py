@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.core.attention.base import AttentionLayerSpec
-from kestrel.core.bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import ModelSpec, RopeSpec
+from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
 from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice

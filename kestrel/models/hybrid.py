@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.core.bindings import PackedMapping, SkippedPrefix, WeightBindingError, WeightBindings
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
-from kestrel.core.state import RecurrentLayerState
+from kestrel.core.recurrent_state import RecurrentLayerState
+from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindingError, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.gated_delta import (
     causal_conv,

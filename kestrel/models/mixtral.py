@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from kestrel.core.bindings import PackedMapping, WeightBindings
 from kestrel.core.recipe import ModelSpec, MoeSpec
+from kestrel.core.weight_bindings import PackedMapping, WeightBindings
 from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import DenseDecoderRecipe, decoder_bindings, read_dense_spec
 

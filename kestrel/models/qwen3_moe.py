@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from kestrel.core.bindings import WeightBindings
 from kestrel.core.recipe import ModelSpec, MoeSpec
+from kestrel.core.weight_bindings import WeightBindings
 from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import DenseDecoderRecipe, decoder_bindings, read_dense_spec, reject_sliding_window_layers
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from kestrel.core.bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.recipe import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
+from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import read_dense_spec, read_rope
 from kestrel.models.hybrid import HybridForCausalLM, hybrid_bindings

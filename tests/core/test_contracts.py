@@ -12,10 +12,10 @@ from transformers import AutoConfig
 from kestrel.core.attention.base import AttentionLayerSpec, BackendRequirements
 from kestrel.core.attention.registry import BACKENDS, NoAttentionBackendError, select_backend
 from kestrel.core.batch import BatchLayout, SequenceChunk
-from kestrel.core.bindings import WeightBindingError
 from kestrel.core.graph import GraphPhase
 from kestrel.core.runtime import create_runtime
 from kestrel.core.state import KVCacheSpec, PagedKVProvider
+from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.models.registry import UnsupportedArchitectureError, recipe_for, supported_architectures
 from kestrel.weights.loader import build_empty
 from tests.checkpoints import FAMILIES

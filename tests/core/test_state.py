@@ -9,14 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kestrel.core.state import (
-    KVCacheSpec,
-    OutOfPagesError,
-    PageAllocator,
-    PagedKVProvider,
-    RecurrentStateProvider,
-    RecurrentStateSpec,
-)
+from kestrel.core.recurrent_state import RecurrentStateProvider, RecurrentStateSpec
+from kestrel.core.state import KVCacheSpec, OutOfPagesError, PageAllocator, PagedKVProvider
 
 
 def balanced(allocator: PageAllocator) -> bool:

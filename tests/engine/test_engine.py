@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kestrel import LLM, RequestOutput, RequestOutputKind, SamplingParams
-from kestrel.core.bindings import WeightBindingError
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime.base import DeviceRuntime
 from kestrel.core.runtime.cpu import CpuRuntime
+from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.models.registry import UnsupportedArchitectureError
 from kestrel.weights.checkpoint import MissingWeightsError
 from tests.checkpoints import HYBRID_FAMILIES
@@ -229,7 +229,7 @@ def test_start_up_warm_up_runs_the_largest_steps_and_leaves_nothing_behind(check
     assert steps == [[64], [1] * 12]
     assert_pool_balanced(llm)
     assert llm.engine.stats().num_cached_pages == 0  # throwaway prompts never enter the prefix cache
-    assert not llm.engine.parts.runner._generators
+    assert not llm.engine.parts.runner.sampler._generators
     out = llm.generate(prompts(2, 10), GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
 

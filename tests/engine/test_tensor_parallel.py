@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.distributed import WorkerDiedError
+from kestrel.distributed.executor import WorkerDiedError
 from tests.checkpoints import FAMILIES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -102,7 +102,7 @@ def test_two_ranks_through_a_local_ray_cluster(checkpoint_dir):
 )
 def test_each_cuda_rank_gets_its_own_device(device, rank, expected):
     from kestrel.config import EngineArgs
-    from kestrel.engine.distributed import rank_args
+    from kestrel.distributed.group import rank_args
 
     assert rank_args(EngineArgs(model="m", device=device), rank).device == expected
 

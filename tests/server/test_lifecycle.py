@@ -116,7 +116,7 @@ def test_tensor_parallel_server_answers_like_one_rank_and_stops_its_workers(serv
     try:
         [core] = split.core_pids()
         workers = [
-            pid for pid in _children(core) if b"kestrel.engine.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            pid for pid in _children(core) if b"kestrel.distributed.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
         assert len(workers) == 1  # rank 1; rank 0 is the core itself
         got = httpx.post(f"{split.base_url}/v1/completions", json=request, headers=split.headers)

@@ -1,8 +1,11 @@
 """AttentionBackend: one attention implementation, with select / allocate / bind / execute apart.
 
 - select: `registry.select_backend` checks each backend's declared `BackendCapabilities`;
-- allocate: `allocate(workspace)` takes the persistent buffers the backend needs;
-- bind: `bind(layout)` turns a step's plain-data layout into typed `AttentionMetadata`;
+- allocate: `allocate(workspace, max_rows, layer)` takes the persistent buffers the backend
+  needs (split-K partials), once, from the `Workspace`; `kv_layout` says how the KV pool it
+  reads is laid out, and the pool is built from it;
+- bind: `bind(layout)` turns a step's plain-data layout into typed `AttentionMetadata`, and the
+  graph hooks of `StepBinder` do the same through static buffers for captured graphs;
 - execute: `forward(...)` stores the new keys and values and computes attention for one layer.
 """
 
@@ -14,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.core.batch import BatchLayout
+from kestrel.core.binder import StepBinder
 from kestrel.core.metadata import AttentionMetadata
-from kestrel.core.state import KVLayerCache
+from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache, KVLayout
 from kestrel.core.workspace import Workspace
 
 
@@ -54,7 +58,7 @@ class BackendRequirements:
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(StepBinder, ABC):
     name: str
     capabilities: BackendCapabilities
 
@@ -82,8 +86,15 @@ class AttentionBackend(ABC):
             reasons.append("sliding-window attention not supported")
         return reasons
 
-    def allocate(self, workspace: Workspace) -> None:
-        """Reserve persistent buffers; the default backend needs none."""
+    @classmethod
+    def kv_layout(cls, dtype: torch.dtype) -> KVLayout:
+        """How this backend wants the KV pool laid out: head-major pages; a float8 pool keeps
+        each page's values slot-minor (see `KVLayerCache`)."""
+        return KVLayout(values_by_slot=dtype in FLOAT8_KV_DTYPES)
+
+    def allocate(self, workspace: Workspace, max_rows: int, layer: AttentionLayerSpec) -> None:
+        """Reserve the persistent buffers a step of up to `max_rows` sequences of `layer`'s
+        shape needs; the default backend needs none."""
         return None
 
     @abstractmethod

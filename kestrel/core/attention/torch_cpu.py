@@ -70,7 +70,7 @@ class TorchCpuBackend(TorchReferenceBackend):
 
     def __init__(self, device: torch.device, page_size: int) -> None:
         super().__init__(device, page_size)
-        self._mirrors: dict[int, DecodeMirror] = {}  # by the address of the layer's key pages
+        self._mirrors: dict[int, DecodeMirror] = {}  # by layer index
         self._step = 0
         self._previous: DecodeBatch | None = None
         self._continues = False  # whether this step's decode batch continues the previous one
@@ -138,7 +138,7 @@ class TorchCpuBackend(TorchReferenceBackend):
         rows, heads, dim = key.shape
         if 2 * rows * heads * self._capacity * dim * cache.key.element_size() > MIRROR_MAX_LAYER_BYTES:
             return gather_pages(cache.key, meta.page_table), gather_pages(cache.value, meta.page_table)
-        layer_id = cache.key.data_ptr()
+        layer_id = cache.layer_index
         mirror = self._mirrors.get(layer_id)
         if self._continues and mirror is not None and mirror.step == self._step - 1:
             positions = meta.seq_lens - 1

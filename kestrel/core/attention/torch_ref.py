@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
-from kestrel.core.attention.binding import PagedAttentionBackend
+from kestrel.core.attention.paged import PagedAttentionBackend
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
 

@@ -8,7 +8,7 @@ import torch
 import triton
 
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
-from kestrel.core.attention.binding import PagedAttentionBackend
+from kestrel.core.attention.paged import PagedAttentionBackend
 from kestrel.core.attention.triton_kernels import (
     combine_splits_kernel,
     decode_kernel,

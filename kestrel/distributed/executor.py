@@ -13,19 +13,15 @@ waiting forever.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import secrets
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -33,93 +29,19 @@ from typing import Any
 import torch.distributed as dist
 
 from kestrel.config import EngineArgs
-from kestrel.core.parallel import TensorParallel
 from kestrel.core.runner import LaunchedStep, ModelRunner, SequenceWork, StepOutput
+from kestrel.distributed.group import GroupAddress, rank_args
 
-# A collective that waits longer than this on a silent peer fails instead of hanging.
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 READY_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 120.0  # a worker's interpreter start and imports, not its model loading
 # Where `kestrel` is imported from, so workers find the same copy from any working directory.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 SETTLE_AFTER_ERROR_S = 5.0
+AUTHKEY_VARIABLE = "KESTREL_WORKER_AUTHKEY"  # how a worker process receives its connection key
 
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone; the engine cannot run steps any more."""
-
-
-@dataclass(frozen=True)
-class GroupAddress:
-    """Where the ranks meet: a torch.distributed init method (a file for ranks on one host,
-    a TCP address for ranks across hosts)."""
-
-    init_method: str
-    world_size: int
-
-    @classmethod
-    def on_this_host(cls, world_size: int) -> GroupAddress:
-        handle, path = tempfile.mkstemp(prefix="kestrel-tp-")
-        os.close(handle)
-        os.unlink(path)  # the store creates it; a stale file would confuse a new group
-        return cls(f"file://{path}", world_size)
-
-
-def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
-    """Each CUDA rank drives its own device, counting from the one asked for ("cuda:2"
-    puts rank 1 on cuda:3); CPU ranks share the host."""
-    device = args.device
-    if device == "auto":
-        device = "cuda" if _cuda_available() else "cpu"
-    if device == "cuda" or device.startswith("cuda:"):
-        first = int(device.split(":", 1)[1]) if ":" in device else 0
-        return replace(args, device=f"cuda:{first + rank}")
-    return args
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def join_group(address: GroupAddress, rank: int, backend: str) -> TensorParallel:
-    if dist.is_initialized():
-        gc.collect()  # an engine deleted but not yet collected releases its group when it is
-    if dist.is_initialized():
-        raise RuntimeError(
-            "another tensor-parallel engine in this process still holds the process group; "
-            "call shutdown() on it (or use `with LLM(...) as llm:`) before starting another"
-        )
-    dist.init_process_group(
-        backend,
-        init_method=address.init_method,
-        rank=rank,
-        world_size=address.world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-    return TensorParallel(rank, address.world_size)
-
-
-def worker_main(args: EngineArgs, rank: int, address: GroupAddress, connection: Connection) -> None:
-    """A worker process: build this rank's parts, then run every step it is sent."""
-    from kestrel.engine.setup import build_worker_runner
-
-    try:
-        runner = build_worker_runner(args, rank, address)
-        connection.send(("ready", None))
-        while (work := connection.recv()) is not None:
-            runner.execute(work)
-    except EOFError:
-        pass  # the engine went away: nothing left to serve
-    except BaseException as error:  # noqa: BLE001 (report anything, then exit)
-        summary = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-        with contextlib.suppress(OSError):
-            connection.send(("error", summary))
-        os._exit(1)  # drop out of the group at once, so peers' collectives fail fast
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @dataclass
@@ -156,9 +78,7 @@ class WorkerHandle:
 
 
 def start_workers(args: EngineArgs, address: GroupAddress) -> list[WorkerHandle]:
-    """One `python -m kestrel.engine.worker` process per rank beyond 0, connected back here."""
-    from kestrel.engine.worker import AUTHKEY_VARIABLE
-
+    """One `python -m kestrel.distributed.worker` process per rank beyond 0, connected back here."""
     authkey = secrets.token_bytes(32)
     with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
         host, port = listener.address
@@ -168,7 +88,7 @@ def start_workers(args: EngineArgs, address: GroupAddress) -> list[WorkerHandle]
         environment.setdefault("KESTREL_LOGGING_LEVEL", "WARNING")
         processes = {
             rank: subprocess.Popen(
-                [sys.executable, "-m", "kestrel.engine.worker", host, str(port), str(rank)], env=environment
+                [sys.executable, "-m", "kestrel.distributed.worker", host, str(port), str(rank)], env=environment
             )
             for rank in range(1, address.world_size)
         }

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from kestrel.config import EngineArgs
 from kestrel.core.runner import SequenceWork
-from kestrel.engine.distributed import GroupAddress, TensorParallelExecutor, WorkerDiedError, rank_args
+from kestrel.distributed.executor import TensorParallelExecutor, WorkerDiedError
+from kestrel.distributed.group import GroupAddress, rank_args
 
 
 def _import_ray() -> Any:
@@ -30,10 +32,8 @@ def _import_ray() -> Any:
 class RankActor:
     """One worker rank inside a Ray actor (wrapped with ray.remote at start-up)."""
 
-    def start(self, args: EngineArgs, rank: int, address: GroupAddress) -> int:
-        from kestrel.engine.setup import build_worker_runner
-
-        self.runner = build_worker_runner(args, rank, address)
+    def start(self, build_runner: Callable, args: EngineArgs, rank: int, address: GroupAddress) -> int:
+        self.runner = build_runner(args, rank, address)
         return os.getpid()
 
     def execute(self, work: list[SequenceWork]) -> None:
@@ -41,7 +41,9 @@ class RankActor:
 
 
 class RayExecutor(TensorParallelExecutor):
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, build_runner: Callable[[EngineArgs, int, GroupAddress], Any]) -> None:
+        """`build_runner(args, rank, address)` builds a worker's rank inside its actor (Ray ships
+        it by reference, so the actor imports it itself)."""
         super().__init__()
         self.ray = _import_ray()
         if not self.ray.is_initialized():
@@ -53,7 +55,7 @@ class RayExecutor(TensorParallelExecutor):
         self.actors = [actor.remote() for _ in range(1, args.tensor_parallel_size)]
         # A Ray actor sees only the GPU it was given, as cuda:0.
         self._starting = [
-            handle.start.remote(rank_args(args, 0) if on_gpu else args, rank, self.address)
+            handle.start.remote(build_runner, rank_args(args, 0) if on_gpu else args, rank, self.address)
             for rank, handle in enumerate(self.actors, start=1)
         ]
         self._last_step: list[Any] = []

@@ -1,9 +1,9 @@
-"""Resolve `EngineArgs` once into the engine's parts: runtime, model, KV pool, backend, runner."""
+"""The composition root: resolve `EngineArgs` once into the engine's parts: runtime, model, KV pool, backend, runner."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,25 +11,23 @@ from typing import Any
 import torch
 
 from kestrel.config import GIB, EngineArgs
-from kestrel.core.attention.base import AttentionBackend, BackendRequirements
+from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec, BackendRequirements
 from kestrel.core.attention.registry import select_backend
-from kestrel.core.cuda_graphs import DecodeGraphs
+from kestrel.core.batch import KV_GROUP
+from kestrel.core.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.planner import FcfsPlanner, PlannerConfig
 from kestrel.core.recipe import ModelSpec
+from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime import DeviceRuntime, create_runtime
-from kestrel.core.state import KVCacheSpec, PagedKVProvider, RecurrentStateProvider
-from kestrel.engine.distributed import (
-    GroupAddress,
-    LocalExecutor,
-    MultiprocessExecutor,
-    TensorParallelExecutor,
-    join_group,
-    rank_args,
-    start_workers,
-)
+from kestrel.core.state import KVCacheSpec, PagedKVProvider, StateGroup
+from kestrel.core.warm_up import warm_up
+from kestrel.core.workspace import Workspace
+from kestrel.distributed.executor import LocalExecutor, MultiprocessExecutor, TensorParallelExecutor, start_workers
+from kestrel.distributed.group import GroupAddress, join_group, rank_args
 from kestrel.logs import log_duration
+from kestrel.models.dense import attention_layer_spec
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import recipe_for
 from kestrel.weights.checkpoint import Checkpoint, CheckpointNotFoundError, load_tokenizer_from, open_checkpoint
@@ -57,6 +55,7 @@ class EngineParts:
     dtype: torch.dtype
     kv: PagedKVProvider
     recurrent: RecurrentStateProvider | None  # hybrid models' linear-attention state slots
+    groups: Mapping[str, StateGroup]  # every state group, the two above among them
     runner: ModelRunner  # rank 0's
     executor: LocalExecutor | TensorParallelExecutor  # runs each step on every rank
     planner: FcfsPlanner
@@ -131,6 +130,7 @@ def profile_activation_bytes(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     max_seq_len: int,
+    layer: AttentionLayerSpec,
     recurrent: RecurrentStateProvider | None = None,
 ) -> int:
     """Peak memory of the largest steps, run on a provisional pool just big enough for them."""
@@ -138,9 +138,28 @@ def profile_activation_bytes(
     # pages are released and needs one page per sequence.
     pages = -(-max_num_batched_tokens // kv_spec.page_size) + max_num_seqs
     kv = PagedKVProvider(kv_spec, pages * kv_spec.bytes_per_page(), runtime.device)
-    backend = backend_cls(runtime.device, kv_spec.page_size)
-    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, recurrent=recurrent)
-    return runtime.peak_bytes_during(lambda: runner.warm_up(max_num_batched_tokens, max_num_seqs, max_seq_len))
+    workspace = Workspace(runtime.device)
+    groups = state_groups(kv, backend_cls, layer, recurrent, workspace, max_num_seqs)
+    runner = ModelRunner(model, groups, runtime, workspace, max_num_batched_tokens)
+    return runtime.peak_bytes_during(lambda: warm_up(runner, max_num_batched_tokens, max_num_seqs, max_seq_len))
+
+
+def state_groups(
+    kv: PagedKVProvider,
+    backend_cls: type[AttentionBackend],
+    layer: AttentionLayerSpec,
+    recurrent: RecurrentStateProvider | None,
+    workspace: Workspace,
+    max_num_seqs: int,
+) -> dict[str, StateGroup]:
+    """One group per kind of state: the KV pool read by its backend (its persistent buffers
+    taken from the workspace now), and the recurrent slots, which bind themselves."""
+    backend = backend_cls(kv.layer(0).key.device, kv.spec.page_size)
+    backend.allocate(workspace, max_num_seqs, layer)
+    groups = {KV_GROUP: StateGroup(KV_GROUP, kv, backend)}
+    if recurrent is not None:
+        groups[RECURRENT_GROUP] = StateGroup(RECURRENT_GROUP, recurrent, recurrent)
+    return groups
 
 
 def recurrent_provider(
@@ -224,11 +243,12 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     kv_spec = spec.kv_cache_spec(kv_dtype, args.page_size, parallel)
     longest = args.max_model_len or spec.max_position_embeddings
     recurrent = recurrent_provider(spec, dtype, args.max_num_seqs, runtime, parallel)
+    layer = attention_layer_spec(spec, parallel)
     sampling = parallel.rank == 0
 
     def profile() -> int:
         return profile_activation_bytes(
-            model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest, recurrent
+            model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest, layer, recurrent
         )
 
     # Every rank must hold the same number of pages: the smallest budget of any rank.
@@ -240,6 +260,7 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         # The recurrent state of a hybrid model is kept for running requests only, so a
         # cached KV prefix would come without the state that goes with it: no caching.
         enable_prefix_caching=args.enable_prefix_caching and recurrent is None,
+        layout=backend_cls.kv_layout(kv_dtype),
     )
     logger.info(
         "KV pool: %d pages of %d tokens (%s), %.2f GiB; attention backend %s",
@@ -250,19 +271,18 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         backend_cls.name,
     )
     max_model_len = resolve_max_model_len(args, spec, kv)
-    backend: AttentionBackend = backend_cls(runtime.device, args.page_size)
+    workspace = Workspace(runtime.device)
+    groups = state_groups(kv, backend_cls, layer, recurrent, workspace, args.max_num_seqs)
     graphs = None
-    # The linear-attention layers loop over prefill sequences on the host.
-    graph_safe = recurrent is None
-    if runtime.supports_graphs and backend.capabilities.cuda_graphs and graph_safe and not args.enforce_eager:
+    if runtime.supports_graphs and graphs_supported(groups) and not args.enforce_eager:
         graphs = DecodeGraphs(
-            model, backend, kv, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
+            model, groups, workspace, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
         )
         with log_duration(logger, "capturing CUDA graphs"):
             graphs.capture()
-    runner = ModelRunner(model, backend, kv, runtime, max_num_batched_tokens, graphs, recurrent, sampling, parallel)
+    runner = ModelRunner(model, groups, runtime, workspace, max_num_batched_tokens, graphs, sampling, parallel)
     with log_duration(logger, "warm-up"):
-        runner.warm_up(*runtime.warm_up_size(max_num_batched_tokens, args.max_num_seqs), max_model_len)
+        warm_up(runner, *runtime.warm_up_size(max_num_batched_tokens, args.max_num_seqs), max_model_len)
     return RankParts(runtime, spec, dtype, kv, recurrent, runner, max_model_len, max_num_batched_tokens, checkpoint)
 
 
@@ -284,9 +304,9 @@ def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, TensorParallelEx
 
 def start_executor(args: EngineArgs) -> TensorParallelExecutor:
     if args.distributed_executor_backend == "ray":
-        from kestrel.engine.ray_executor import RayExecutor
+        from kestrel.distributed.ray import RayExecutor
 
-        return RayExecutor(args)
+        return RayExecutor(args, build_worker_runner)
     address = GroupAddress.on_this_host(args.tensor_parallel_size)
     return MultiprocessExecutor(start_workers(args, address), address)
 
@@ -311,6 +331,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         dtype=rank.dtype,
         kv=rank.kv,
         recurrent=rank.recurrent,
+        groups=rank.runner.groups,
         runner=rank.runner,
         executor=executor,
         planner=FcfsPlanner(PlannerConfig(rank.max_num_batched_tokens, args.max_num_seqs)),

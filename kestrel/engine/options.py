@@ -1,0 +1,77 @@
+"""The engine's command-line options, shared by `kestrel serve`, `generate` and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kestrel.config import KV_CACHE_DTYPES
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3 keys and values, half the bytes of bf16",
+    )
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory or id; default: the model's own")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face model id")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan the next step while the device runs this one",
+    )
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
+    # vLLM's flags: the same names as the offline API's vLLM arguments (engine/compat.py).
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM's name for --page-size")
+    parser.add_argument("--trust-remote-code", action="store_true", help="accepted; Kestrel runs no checkpoint code")
+    parser.add_argument("--quantization", "-q", default=None, help="not supported yet: only unquantized weights")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--swap-space", type=float, default=None, help="accepted; preemption recomputes")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from kestrel.engine.compat import resolve_vllm_arguments
+
+    vllm_flags = {
+        name: value
+        for name in ("trust_remote_code", "quantization", "enable_chunked_prefill", "swap_space")
+        if (value := getattr(args, name)) not in (None, False)
+    }
+    return resolve_vllm_arguments(vllm_flags) | dict(
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        page_size=args.block_size or args.page_size,
+        seed=args.seed,
+        load_format=args.load_format,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+    )
