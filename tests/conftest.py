@@ -39,3 +39,43 @@ def qwen3_llm(checkpoint_dir):
     from kestrel import LLM
 
     return LLM(str(checkpoint_dir("qwen3")), max_num_batched_tokens=64, page_size=8)
+
+
+# Test tiers. `slow`: modules that start servers or worker processes, or run a real model;
+# `triton_interpreter`: Triton kernels run by Triton's interpreter on the CPU (slow there,
+# native on a GPU). `scripts/test.sh --fast` leaves both out (the inner loop, under 90 s);
+# CI runs everything.
+SLOW_MODULES = {
+    "tests/weights/test_smollm2.py",
+    "tests/engine/test_tensor_parallel.py",
+    "tests/test_cli.py",
+    "tests/test_packaging.py",
+    "tests/server/test_lifecycle.py",
+    "tests/server/test_logging.py",
+    "tests/server/test_hostile_input.py",
+    "tests/server/test_server.py",
+}
+TRITON_MODULES = {
+    "tests/core/test_triton_decode_splits.py",
+    "tests/core/test_triton_prefill_blocks.py",
+    "tests/core/test_triton_compiles.py",
+    "tests/core/test_dependent_launch.py",
+    "tests/engine/test_dependent_launch_decode.py",
+    "tests/layers/test_gemv.py",
+    "tests/layers/test_fused.py",
+    "tests/layers/test_fused_moe.py",
+}
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: starts servers or worker processes, or runs a real model")
+    config.addinivalue_line("markers", "triton_interpreter: Triton kernels, interpreted on a machine without a GPU")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if module in TRITON_MODULES or "TritonPagedBackend" in item.nodeid:
+            item.add_marker(pytest.mark.triton_interpreter)
