@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from kestrel.core.batch import KV_GROUP
+
 
 def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
     """Bytes/s moved by a device-to-device copy (each byte is read once and written once)."""
@@ -113,7 +115,7 @@ def run_latency_benchmark(args: argparse.Namespace) -> int:
         "model": args.dummy_config or args.model,
         "dtype": str(parts.dtype),
         "device": str(device),
-        "backend": parts.runner.backend.name,
+        "backend": parts.groups[KV_GROUP].binder.name,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "kestrel": kestrel_times,

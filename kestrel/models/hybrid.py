@@ -249,7 +249,7 @@ class GatedDeltaNet(nn.Module):
 
 def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Zero the states of sequences that start fresh (their slot may hold a previous owner's)."""
-    return torch.where(keep.view(-1, *([1] * (states.dim() - 1))), states, torch.zeros((), dtype=states.dtype))
+    return torch.where(keep.view(-1, *([1] * (states.dim() - 1))), states, states.new_zeros(()))
 
 
 class GatedAttention(nn.Module):
