@@ -34,6 +34,8 @@ class EngineArgs:
     # Plan and launch step N+1 before reading step N's samples, so host work overlaps the
     # device's. Steps that need every token on the host (penalties, prompt logprobs) still wait.
     async_scheduling: bool = True
+    # Hopper and later GPUs: kernels start while the one before them finishes (dependent_launch.py).
+    dependent_launch: bool = True
 
     def __post_init__(self) -> None:
         checks = [

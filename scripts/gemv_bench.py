@@ -53,7 +53,7 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         cublas = tera_bytes_per_s(x, weights, gemv._cublas)
         triton_tuned = tera_bytes_per_s(x, weights, gemv._triton)
-        kept = "triton" if gemv.prefers_gemv(x, weights[0]) else "cublas"
+        kept = "triton" if gemv.prefers_gemv(weights[0]) else "cublas"
         print(f"{name:<14}{cublas:>12.2f}{triton_tuned:>12.2f}  {kept}")
         ranked = sorted(
             ((tera_bytes_per_s(x, weights, lambda x, w, c=c: gemv.gemv(x, w, config=c)), c) for c in configs),

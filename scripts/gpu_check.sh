@@ -47,7 +47,7 @@ for phase in "${@:-tests}"; do
         python3 scripts/gemv_bench.py 2>&1 | tee "$out/gemv.log"
         ;;
     latency)  # with dependent launch off, then on (the default) beside HF
-        KESTREL_DEPENDENT_LAUNCH=0 python3 -m kestrel bench latency $B --input-len 128 --output-len 256 \
+        python3 -m kestrel bench latency $B --no-dependent-launch --input-len 128 --output-len 256 \
             --no-hf-baseline --output-json "$out/latency_independent.json" 2>&1 |
             tee "$out/latency_independent.log" | tail -n 8
         python3 -m kestrel bench latency $B --input-len 128 --output-len 256 \

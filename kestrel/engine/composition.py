@@ -21,6 +21,7 @@ from kestrel.core.recipe import ModelSpec
 from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime import DeviceRuntime, create_runtime
+from kestrel.core.runtime.dependent_launch import configure as configure_dependent_launch
 from kestrel.core.state import KVCacheSpec, PagedKVProvider, StateGroup
 from kestrel.core.warm_up import warm_up
 from kestrel.core.workspace import Workspace
@@ -225,6 +226,7 @@ class RankParts:
 def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     runtime = create_runtime(args.device)
     runtime.configure_process()
+    configure_dependent_launch(args.dependent_launch)
     hf_config, checkpoint = open_model(args)
     recipe = recipe_for(getattr(hf_config, "architectures", None))
     spec = recipe.spec(hf_config)
@@ -271,6 +273,11 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         backend_cls.name,
     )
     max_model_len = resolve_max_model_len(args, spec, kv)
+    if runtime.name == "cuda":
+        from kestrel.layers.gemv import choose_matvec_kernels  # Triton kernels: CUDA only
+
+        with log_duration(logger, "choosing the one-row matvec kernel per weight shape"):
+            choose_matvec_kernels(model)
     workspace = Workspace(runtime.device)
     groups = state_groups(kv, backend_cls, layer, recurrent, workspace, args.max_num_seqs)
     graphs = None

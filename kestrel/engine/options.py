@@ -35,6 +35,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="plan the next step while the device runs this one",
     )
+    parser.add_argument(
+        "--dependent-launch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on Hopper and later GPUs, start each kernel while the one before it finishes",
+    )
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
@@ -71,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        dependent_launch=args.dependent_launch,
         enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,

@@ -6,10 +6,11 @@ This kernel gives each program one or two output rows and reads their whole widt
 two blocks of up to 4096 columns, which keeps many loads in flight per multiprocessor: it
 reads the same weights at 3.2 to 4.6 TB/s (`scripts/gemv_bench.py --sweep`).
 
-Whether it beats cuBLAS depends on the shape and the GPU, so it is not assumed: the first
-time a weight shape is seen outside graph capture, both are timed on the device alone (queued
-behind a device-side sleep, so host launch costs do not count, as in the decode graphs) and
-the faster one is kept for that shape (`prefers_gemv`).
+Whether it beats cuBLAS depends on the shape and the GPU, so it is not assumed: at start-up,
+before graphs are captured, `choose_matvec_kernels` times both on each weight shape of the
+model, on the device alone (queued behind a device-side sleep, so host launch costs do not
+count, as in the decode graphs), and sets each linear's `use_gemv` to the faster one. The
+choice is explicit state of the model, fixed before capture, never filled in during a forward.
 
 `gemv_silu_and_mul` is the MLP's gate and up projection with its activation: each program
 reads the gate row and the up row of its outputs and writes silu(gate) * up, so one kernel
@@ -29,6 +30,7 @@ from kestrel.layers.fused import rotate_half_pair
 from kestrel.layers.ops import HeadRotation
 
 TIMING_REPEATS = 20
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -233,20 +235,26 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     return n, k
 
 
-_preference: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
+def prefers_gemv(weight: torch.Tensor) -> bool:
+    """Whether a one-row linear over `weight` runs faster on `gemv` than on cuBLAS, measured."""
+    x = torch.randn((1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    weights = _weights_beyond_cache(weight)
+    return _milliseconds(x, weights, _triton) < _milliseconds(x, weights, _cublas)
 
 
-def prefers_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this one-row linear should run on `gemv` rather than cuBLAS (measured once per
-    weight shape; cuBLAS while a graph is being captured and no measurement exists)."""
-    key = (weight.shape[0], weight.shape[1], weight.dtype, weight.device)
-    choice = _preference.get(key)
-    if choice is None:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        weights = _weights_beyond_cache(weight)
-        choice = _preference[key] = _milliseconds(x, weights, _triton) < _milliseconds(x, weights, _cublas)
-    return choice
+def choose_matvec_kernels(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], bool]:
+    """Set `use_gemv` on every module of `model` that declares a `matvec_weight`, measured once
+    per weight shape; returns the choices by (rows, columns, dtype)."""
+    choices: dict[tuple[int, int, torch.dtype], bool] = {}
+    for module in model.modules():
+        weight = getattr(module, "matvec_weight", None)
+        if weight is None or weight.dim() != 2 or not weight.is_cuda or weight.dtype not in GEMV_DTYPES:
+            continue
+        key = (weight.shape[0], weight.shape[1], weight.dtype)
+        if key not in choices:
+            choices[key] = prefers_gemv(weight)
+        module.use_gemv = choices[key]
+    return choices
 
 
 def _cublas(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,21 @@ from kestrel.layers import ops
 
 
 class Linear(nn.Module):
+    # Whether a one-row input takes the Triton matvec: set by `choose_matvec_kernels` at
+    # start-up, before any graph is captured, from a measurement on this weight's shape.
+    use_gemv = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    @property
+    def matvec_weight(self) -> torch.Tensor:
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.use_gemv)
 
 
 @dataclass(frozen=True)
@@ -101,5 +109,5 @@ class RowParallelLinear(Linear):
         param.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.all_reduce(ops.linear(x, self.weight))
+        out = self.parallel.all_reduce(ops.linear(x, self.weight, use_gemv=self.use_gemv))
         return out if self.bias is None else out + self.bias

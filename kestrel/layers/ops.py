@@ -22,8 +22,11 @@ _ONEDNN_MIN_ROWS = 16
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take layers/gemv.py
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), for 2-D `x`."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_gemv: bool = False
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), for 2-D `x`. `use_gemv`: a one-row CUDA input takes the Triton
+    matvec (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight)."""
     if (
         _ONEDNN_LINEAR
         and x.device.type == "cpu"
@@ -32,17 +35,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.shape[0] >= _ONEDNN_MIN_ROWS
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if _takes_gemv(x, weight):
+    if _takes_gemv(x, use_gemv):
         from kestrel.layers import gemv
 
         return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) for a weight stacking the gate rows, then the up rows: one
     kernel where a one-row linear takes the Triton matvec."""
-    if _takes_gemv(x, weight):
+    if _takes_gemv(x, use_gemv):
         from kestrel.layers import gemv
 
         return gemv.gemv_silu_and_mul(x, weight)
@@ -61,11 +64,11 @@ class HeadRotation:
 
 
 def linear_rotary(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rotation: HeadRotation
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rotation: HeadRotation, use_gemv: bool = False
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) with `rotation` applied: one kernel where a one-row linear takes
     the Triton matvec and the rotary dim is the head's."""
-    if rotation.cos.shape[-1] == rotation.head_dim and _takes_gemv(x, weight):
+    if rotation.cos.shape[-1] == rotation.head_dim and _takes_gemv(x, use_gemv):
         from kestrel.layers import gemv
 
         return gemv.gemv_rotary(x, weight, bias, rotation)
@@ -78,12 +81,8 @@ def linear_rotary(
     return out
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES):
-        return False
-    from kestrel.layers import gemv
-
-    return gemv.prefers_gemv(x, weight)
+def _takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
+    return use_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES
 
 
 def rms_norm(

@@ -77,7 +77,7 @@ class DecoderAttention(nn.Module):
             # q and k sit side by side in each row of qkv: one rotary pass for both, inside
             # the projection's own kernel where it can be.
             rotation = ops.HeadRotation(cos, sin, spec.num_heads + spec.num_kv_heads, spec.head_dim)
-            qkv = ops.linear_rotary(hidden, self.qkv_proj.weight, self.qkv_proj.bias, rotation)
+            qkv = ops.linear_rotary(hidden, self.qkv_proj.weight, self.qkv_proj.bias, rotation, self.qkv_proj.use_gemv)
             query, key, value = self.qkv_proj.split(qkv)
             query = query.view(tokens, spec.num_heads, spec.head_dim)
             key = key.view(tokens, spec.num_kv_heads, spec.head_dim)
@@ -106,7 +106,8 @@ class DecoderMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fused_silu:
-            return self.down_proj(ops.linear_silu_and_mul(hidden, self.gate_up_proj.weight))
+            gate_up = self.gate_up_proj
+            return self.down_proj(ops.linear_silu_and_mul(hidden, gate_up.weight, gate_up.use_gemv))
         gate_up = self.gate_up_proj(hidden)
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate.contiguous()).mul_(up))
@@ -186,6 +187,13 @@ class DecoderForCausalLM(nn.Module):
         rows = {None: vocab_rows(spec.vocab_size, parallel)}
         self.lm_head = None if spec.tie_word_embeddings else ColumnParallelLinear(spec.hidden_size, rows)
 
+    use_gemv = False  # for the LM head, as `Linear.use_gemv`
+
+    @property
+    def matvec_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embedding's when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.rotary_dim, hidden.dtype)
@@ -195,8 +203,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.parallel.all_gather_columns(ops.linear(hidden, weight))
+        logits = self.parallel.all_gather_columns(ops.linear(hidden, self.matvec_weight, use_gemv=self.use_gemv))
         return logits[:, : self.spec.vocab_size].float()
 
 

@@ -24,6 +24,8 @@ def test_the_switch_turns_it_off_and_hopper_has_it_on(monkeypatch):
     device = torch.device("cuda")
     hopper_or_later = torch.cuda.get_device_capability(device)[0] >= 9
     assert launch.dependent_launch(device) == hopper_or_later
-    launch.dependent_launch.cache_clear()
-    monkeypatch.setenv(launch.ENV_SWITCH, "0")
-    assert launch.dependent_launch(device) is False
+    launch.configure(False)
+    try:
+        assert launch.dependent_launch(device) is False
+    finally:
+        launch.configure(True)

@@ -25,14 +25,12 @@ def decode_one(path, **engine_args):
 def test_dependent_launches_in_graphs_give_the_bits_of_eager_independent_launches(checkpoint_dir, monkeypatch):
     path = checkpoint_dir("llama")
     # Tiny weights might time faster on cuBLAS; the matvecs are what this checks.
-    monkeypatch.setattr(gemv, "prefers_gemv", lambda x, weight: True)
-    dependent_launch.dependent_launch.cache_clear()
-    assert dependent_launch.dependent_launch(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    monkeypatch.setattr(gemv, "prefers_gemv", lambda weight: True)
     fast = decode_one(path)
-    monkeypatch.setenv(dependent_launch.ENV_SWITCH, "0")
-    dependent_launch.dependent_launch.cache_clear()
+    assert dependent_launch.dependent_launch(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     try:
-        plain = decode_one(path, enforce_eager=True)
+        plain = decode_one(path, enforce_eager=True, dependent_launch=False)
+        assert not dependent_launch.dependent_launch(torch.device("cuda"))
     finally:
-        dependent_launch.dependent_launch.cache_clear()
+        dependent_launch.configure(True)
     assert fast == plain

@@ -7,6 +7,7 @@ import torch
 import triton
 
 from kestrel.layers import fused, gemv, ops
+from kestrel.layers.linear import Linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter runs float32 on the CPU; a GPU checks the half types the kernel serves.
@@ -89,9 +90,11 @@ def test_one_row_linear_picks_the_faster_path_and_matches_torch():
     torch.manual_seed(0)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    got = ops.linear(x, weight)
-    key = (4096, 4096, torch.bfloat16, weight.device)
-    assert key in gemv._preference  # measured once, then kept
+    linear = Linear(4096, 4096).to(device="cuda", dtype=torch.bfloat16)
+    linear.weight.copy_(weight)
+    choices = gemv.choose_matvec_kernels(linear)
+    assert choices == {(4096, 4096, torch.bfloat16): linear.use_gemv}  # measured, then set on the module
+    got = linear(x)
     torch.testing.assert_close(got.float(), (x.float() @ weight.float().T), atol=3e-2, rtol=1e-2)
 
 

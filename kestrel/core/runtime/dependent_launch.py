@@ -7,25 +7,32 @@ depend on that kernel (a matvec's weights) and then waits for it (`wait_for_inpu
 wait is what keeps this correct, so a kernel launched so must call it before it reads
 anything an earlier kernel wrote, and before it writes anything, on every path.
 
-`KESTREL_DEPENDENT_LAUNCH=0` turns it off (to measure it, or to rule it out).
+The engine argument `dependent_launch=False` (`--no-dependent-launch`) turns it off, to
+measure it or to rule it out: the composition root passes it to `configure` before any kernel
+is launched, and the setting holds for the process (kernels launch the same way on every path).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENV_SWITCH = "KESTREL_DEPENDENT_LAUNCH"
+_allowed = [True]  # the process's setting, written by `configure` alone
+
+
+def configure(enabled: bool) -> None:
+    """Allow dependent launches on GPUs that support them, or turn them off."""
+    _allowed[0] = enabled
+    dependent_launch.cache_clear()
 
 
 @functools.cache
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` are launched as dependent (CUDA, compute capability 9+)."""
-    if device.type != "cuda" or os.environ.get(ENV_SWITCH, "1") == "0":
+    if device.type != "cuda" or not _allowed[0]:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
