@@ -36,6 +36,9 @@ class EngineArgs:
     async_scheduling: bool = True
     # Hopper and later GPUs: kernels start while the one before them finishes (dependent_launch.py).
     dependent_launch: bool = True
+    # What preemption does with a request's state: "recompute" it later from the tokens, or
+    # "swap" it to host memory and back (vLLM's name and values).
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,6 +71,14 @@ class EngineArgs:
             (
                 self.distributed_executor_backend in ("mp", "ray"),
                 f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}",
+            ),
+            (
+                self.preemption_mode in ("recompute", "swap"),
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}",
+            ),
+            (
+                self.preemption_mode != "swap" or self.tensor_parallel_size == 1,
+                "preemption_mode='swap' swaps rank 0's state only; with tensor parallelism use 'recompute'",
             ),
         ]
         for ok, message in checks:

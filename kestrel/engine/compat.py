@@ -18,7 +18,7 @@ RENAMED = {"block_size": "page_size", "tokenizer_revision": "revision"}
 # Accepted with a warning: each value is why the argument changes nothing in Kestrel.
 WITHOUT_EFFECT = {
     "trust_remote_code": "Kestrel runs no code from checkpoints; its own recipes implement each architecture",
-    "swap_space": "preempted requests are recomputed, so no CPU swap space is used",
+    "swap_space": "preemption_mode='swap' holds preempted requests' state in host memory as needed",
     "disable_custom_all_reduce": "tensor parallelism uses the NCCL or gloo all-reduce only",
     "max_seq_len_to_capture": "CUDA graphs cover decode steps of every length",
     "disable_log_stats": "the offline engine logs no periodic stats",

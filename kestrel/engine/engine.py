@@ -25,6 +25,7 @@ from kestrel.core.batch import KV_GROUP
 from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChunk, StepPlan
 from kestrel.core.runner import PendingStep, SequenceResult, SequenceWork
 from kestrel.core.sampling import TokenLogprobs
+from kestrel.core.transfer import HostSwap
 from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
@@ -67,6 +68,8 @@ class LLMEngine:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._overlap = args.async_scheduling
+        self._swap = HostSwap(self.parts.groups) if args.preemption_mode == "swap" else None
+        self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
         self._in_flight: _InFlightStep | None = None
 
     # ---- admission -------------------------------------------------------------------------
@@ -175,7 +178,9 @@ class LLMEngine:
         # further back cannot run this step, so neither their views nor their prefix
         # lookups are built (with hundreds waiting, that cost milliseconds per step).
         seats = max(0, self.parts.planner.config.max_num_seqs - len(self._running))
-        candidates = list(itertools.islice(self._waiting, seats))
+        # A request swapped out while its last sample was in flight waits for that token.
+        ready = (r for r in self._waiting if r.swapped is None or not r.num_pending_tokens)
+        candidates = list(itertools.islice(ready, seats))
         self._prefix_matches = {r.request_id: self._prefix_match(r) for r in candidates}
         return QueueState(
             waiting=tuple(self._waiting_view(r) for r in candidates),
@@ -199,7 +204,10 @@ class LLMEngine:
         return cache.match(request.token_ids)[:usable]
 
     def _waiting_view(self, request: Request) -> RequestView:
-        # Cached tokens count as computed: they cost neither token budget nor new pages.
+        # Cached (or swapped-out) tokens count as computed: they cost no token budget; the
+        # pages to swap back in count as new pages.
+        if request.swapped is not None:
+            return RequestView(request.request_id, request.num_tokens, request.swapped.num_tokens, 0)
         cached = len(self._prefix_matches[request.request_id]) * self.parts.kv.spec.page_size
         return RequestView(request.request_id, request.num_tokens, cached, 0)
 
@@ -211,16 +219,24 @@ class LLMEngine:
         for request_id in plan.preempted:  # newest first, so the oldest ends up at the front
             request = self._requests[request_id]
             self._running.remove(request)
+            if self._swap is not None:
+                request.swapped = self._swap.export(request_id, request.num_computed_tokens)
+                self.num_swapped_out += 1
             self._release_pages(request)
-            request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
-            if request.wants_prompt_logprobs:
-                request.prompt_logprobs = [None]  # recomputed from the start, like the KV
+            if request.swapped is None:
+                request.num_computed_tokens = 0
+                if request.wants_prompt_logprobs:
+                    request.prompt_logprobs = [None]  # recomputed from the start, like the KV
             self._waiting.appendleft(request)
         for request_id in plan.admitted:
             request = self._requests[request_id]
             self._waiting.remove(request)
-            self._take_cached_prefix(request)
+            if request.swapped is not None:
+                self._swap.import_(request.swapped)  # its pages and slots, filled from host memory
+                request.swapped = None
+            else:
+                self._take_cached_prefix(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()

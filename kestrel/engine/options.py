@@ -41,6 +41,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="on Hopper and later GPUs, start each kernel while the one before it finishes",
     )
+    parser.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        choices=["recompute", "swap"],
+        help="a preempted request's state is recomputed later, or swapped to host memory and back",
+    )
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
@@ -78,6 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         dependent_launch=args.dependent_launch,
+        preemption_mode=args.preemption_mode,
         enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,

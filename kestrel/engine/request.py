@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kestrel.core.transfer import TransferHandle
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.outputs import PositionLogprobs
 from kestrel.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt then generated tokens
     num_computed_tokens: int = 0  # tokens whose KV is written, or queued to be by a launched step
     num_pending_tokens: int = 0  # sampled by a launched step whose results are not read yet
+    swapped: TransferHandle | None = None  # its state in host memory while preempted by swap
     status: RequestStatus = RequestStatus.WAITING
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None

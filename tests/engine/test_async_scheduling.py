@@ -72,8 +72,12 @@ def test_overlapped_steps_give_the_outputs_of_sequential_ones(checkpoint_dir, fa
     assert_pool_balanced(overlapped)
 
 
-def test_overlapped_steps_survive_preemption(checkpoint_dir):
-    path = str(checkpoint_dir("qwen3"))
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-next"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_overlapped_steps_survive_preemption(checkpoint_dir, family, preemption_mode):
+    """Greedy outputs unchanged when a tight pool forces preemption, by recompute or by
+    swapping the state (KV pages, and recurrent slots of a hybrid) to host memory and back."""
+    path = str(checkpoint_dir(family))
     batch = prompts(8, 40)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sequential = LLM(path, device="cpu", page_size=8, max_num_batched_tokens=128, async_scheduling=False)
@@ -85,6 +89,7 @@ def test_overlapped_steps_survive_preemption(checkpoint_dir):
         max_num_batched_tokens=128,
         max_model_len=128,
         kv_cache_memory_gb=20 * sequential.engine.parts.kv.spec.bytes_per_page() / 2**30,
+        preemption_mode=preemption_mode,
     )
     preempted = []
     original = tight.engine._apply
@@ -96,6 +101,7 @@ def test_overlapped_steps_survive_preemption(checkpoint_dir):
     tight.engine._apply = apply
     assert_same_outputs(generate(tight, batch, [greedy] * 8), expected)
     assert preempted  # the pool was tight enough for the planner to preempt
+    assert tight.engine.num_swapped_out == (len(preempted) if preemption_mode == "swap" else 0)
     assert_pool_balanced(tight)
 
 
