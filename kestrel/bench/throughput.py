@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kestrel.bench.latency import copy_bandwidth, decode_weight_bytes
-from kestrel.core.recipe import ModelSpec
+from kestrel.models.spec import DecoderSpec
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def time_hf(model, prompts: list[list[int]], output_len: int) -> Measurement:
     return Measurement("hf-transformers", len(prompts), len(prompts), tokens, seconds)
 
 
-def matmul_flops_per_s(tokens: int, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> float:
+def matmul_flops_per_s(tokens: int, spec: DecoderSpec, dtype: torch.dtype, device: torch.device) -> float:
     """The rate of the model's largest matmul at this batch shape, measured here."""
     a = torch.randn(tokens, spec.hidden_size, dtype=dtype, device=device)
     b = torch.randn(spec.hidden_size, spec.intermediate_size, dtype=dtype, device=device)
@@ -87,7 +87,7 @@ def matmul_flops_per_s(tokens: int, spec: ModelSpec, dtype: torch.dtype, device:
     return 2 * tokens * spec.hidden_size * spec.intermediate_size / seconds
 
 
-def decoder_and_head_params(spec: ModelSpec) -> tuple[int, int]:
+def decoder_and_head_params(spec: DecoderSpec) -> tuple[int, int]:
     """Parameters every token multiplies (the decoder layers'), and the LM head's, which
     only sampled positions reach; the embedding table is looked up, not multiplied."""
     lm_head = spec.vocab_size * spec.hidden_size
@@ -95,7 +95,7 @@ def decoder_and_head_params(spec: ModelSpec) -> tuple[int, int]:
     return spec.num_parameters() - embeddings, lm_head
 
 
-def compute_limit_tokens_per_s(spec: ModelSpec, prompts: int, input_len: int, output_len: int, rate: float) -> float:
+def compute_limit_tokens_per_s(spec: DecoderSpec, prompts: int, input_len: int, output_len: int, rate: float) -> float:
     """Output tokens/s if every necessary FLOP ran at `rate`.
 
     Every token goes through the decoder layers (2 x their params); only sampled positions

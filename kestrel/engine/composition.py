@@ -14,7 +14,9 @@ from kestrel.config import GIB, EngineArgs
 from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec, BackendRequirements
 from kestrel.core.attention.registry import select_backend
 from kestrel.core.batch import KV_GROUP
+from kestrel.core.binder import StepBinder
 from kestrel.core.cuda_graphs import DecodeGraphs, graphs_supported
+from kestrel.core.layer_spec import PoolBudget, StateGroupSpec
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.planner import FcfsPlanner, PlannerConfig
 from kestrel.core.recipe import ModelSpec
@@ -22,13 +24,12 @@ from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime import DeviceRuntime, create_runtime
 from kestrel.core.runtime.dependent_launch import configure as configure_dependent_launch
-from kestrel.core.state import KVCacheSpec, PagedKVProvider, StateGroup
+from kestrel.core.state import KVCacheSpec, PagedKVProvider, StateGroup, StateProvider
 from kestrel.core.warm_up import warm_up
 from kestrel.core.workspace import Workspace
 from kestrel.distributed.executor import LocalExecutor, MultiprocessExecutor, TensorParallelExecutor, start_workers
 from kestrel.distributed.group import GroupAddress, join_group, rank_args
 from kestrel.logs import log_duration
-from kestrel.models.dense import attention_layer_spec
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import recipe_for
 from kestrel.weights.checkpoint import Checkpoint, CheckpointNotFoundError, load_tokenizer_from, open_checkpoint
@@ -132,7 +133,7 @@ def profile_activation_bytes(
     max_num_seqs: int,
     max_seq_len: int,
     layer: AttentionLayerSpec,
-    recurrent: RecurrentStateProvider | None = None,
+    fixed: dict[str, StateProvider],
 ) -> int:
     """Peak memory of the largest steps, run on a provisional pool just big enough for them."""
     # Each prefill sequence may end on a partly filled page; the decode step runs after those
@@ -140,7 +141,7 @@ def profile_activation_bytes(
     pages = -(-max_num_batched_tokens // kv_spec.page_size) + max_num_seqs
     kv = PagedKVProvider(kv_spec, pages * kv_spec.bytes_per_page(), runtime.device)
     workspace = Workspace(runtime.device)
-    groups = state_groups(kv, backend_cls, layer, recurrent, workspace, max_num_seqs)
+    groups = state_groups(kv, backend_cls, layer, fixed, workspace, max_num_seqs)
     runner = ModelRunner(model, groups, runtime, workspace, max_num_batched_tokens)
     return runtime.peak_bytes_during(lambda: warm_up(runner, max_num_batched_tokens, max_num_seqs, max_seq_len))
 
@@ -149,30 +150,46 @@ def state_groups(
     kv: PagedKVProvider,
     backend_cls: type[AttentionBackend],
     layer: AttentionLayerSpec,
-    recurrent: RecurrentStateProvider | None,
+    fixed: dict[str, StateProvider],
     workspace: Workspace,
     max_num_seqs: int,
 ) -> dict[str, StateGroup]:
-    """One group per kind of state: the KV pool read by its backend (its persistent buffers
-    taken from the workspace now), and the recurrent slots, which bind themselves."""
+    """The KV pool read by its attention backend (whose persistent buffers come from the
+    workspace now), and every fixed-size pool, binding itself where it is a `StepBinder`."""
     backend = backend_cls(kv.layer(0).key.device, kv.spec.page_size)
     backend.allocate(workspace, max_num_seqs, layer)
     groups = {KV_GROUP: StateGroup(KV_GROUP, kv, backend)}
-    if recurrent is not None:
-        groups[RECURRENT_GROUP] = StateGroup(RECURRENT_GROUP, recurrent, recurrent)
+    for name, provider in fixed.items():
+        if not isinstance(provider, StepBinder):
+            raise ValueError(f"state group {name!r} has no binder for its per-step metadata")
+        groups[name] = StateGroup(name, provider, provider)
     return groups
 
 
-def recurrent_provider(
-    spec: ModelSpec, dtype: torch.dtype, max_num_seqs: int, runtime: DeviceRuntime, parallel: TensorParallel
-) -> RecurrentStateProvider | None:
-    """One state slot per request that may run at once, for models with linear-attention layers."""
-    state_spec = spec.recurrent_state_spec(dtype, parallel)
-    if state_spec is None:
-        return None
-    provider = RecurrentStateProvider(state_spec, max_num_seqs, runtime.device)
-    logger.info("recurrent state: %d slots of %.1f MiB", max_num_seqs, state_spec.bytes_per_slot() / (1 << 20))
-    return provider
+def split_state_groups(
+    spec: ModelSpec, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, parallel: TensorParallel
+) -> tuple[KVCacheSpec, dict[str, StateGroupSpec]]:
+    """The KV group's spec, and the fixed-size groups (one unit per sequence), from the
+    recipe's layer specs."""
+    groups = spec.state_groups(dtype, kv_dtype, page_size, parallel)
+    paged = {name: group for name, group in groups.items() if group.paged}
+    if set(paged) != {KV_GROUP}:
+        raise ValueError(
+            f"{spec.architecture}: paged state groups {sorted(paged)}; the engine pools the {KV_GROUP!r} group "
+            "alone so far (a model needs full-attention layers, and further paged groups are not pooled yet)"
+        )
+    return paged[KV_GROUP].kv, {name: group for name, group in groups.items() if not group.paged}
+
+
+def build_fixed_pools(
+    groups: dict[str, StateGroupSpec], max_num_seqs: int, device: torch.device
+) -> dict[str, StateProvider]:
+    """One unit per request that may run at once (linear-attention state slots)."""
+    pools = {}
+    for name, group in groups.items():
+        pools[name] = group.build(PoolBudget(0, max_num_seqs, device))
+        logger.info("state group %s: %d units of %.1f MiB", name, max_num_seqs, group.bytes_per_unit() / (1 << 20))
+    return pools
 
 
 def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:
@@ -232,25 +249,28 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     spec = recipe.spec(hf_config)
     dtype = resolve_dtype(args.dtype, hf_config, runtime)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    attention = spec.attention_layers()
+    if not attention:
+        raise ValueError(f"{spec.architecture} has no attention layer; the engine needs a KV group")
+    windowed = any(layer.sliding_window is not None for layer in attention)
     backend_cls = select_backend(
-        BackendRequirements(
-            runtime.name, dtype, spec.head_dim, spec.sliding_window is not None, args.page_size, kv_dtype
-        ),
+        BackendRequirements(runtime.name, dtype, attention[0].head_dim, windowed, args.page_size, kv_dtype),
         args.attention_backend,
     )
     with log_duration(logger, f"loading {spec.architecture} weights ({args.load_format}) from {args.model}"):
         model = load_model(recipe, spec, checkpoint, runtime.device, dtype, args.load_format, args.seed, parallel)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
-    kv_spec = spec.kv_cache_spec(kv_dtype, args.page_size, parallel)
+    kv_spec, fixed_specs = split_state_groups(spec, dtype, kv_dtype, args.page_size, parallel)
     longest = args.max_model_len or spec.max_position_embeddings
-    recurrent = recurrent_provider(spec, dtype, args.max_num_seqs, runtime, parallel)
-    layer = attention_layer_spec(spec, parallel)
+    fixed = build_fixed_pools(fixed_specs, args.max_num_seqs, runtime.device)
+    recurrent = fixed.get(RECURRENT_GROUP)
+    layer = attention[0].for_rank(parallel)
     sampling = parallel.rank == 0
 
     def profile() -> int:
         return profile_activation_bytes(
-            model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest, layer, recurrent
+            model, backend_cls, kv_spec, runtime, max_num_batched_tokens, args.max_num_seqs, longest, layer, fixed
         )
 
     # Every rank must hold the same number of pages: the smallest budget of any rank.
@@ -279,7 +299,7 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         with log_duration(logger, "choosing the one-row matvec kernel per weight shape"):
             choose_matvec_kernels(model)
     workspace = Workspace(runtime.device)
-    groups = state_groups(kv, backend_cls, layer, recurrent, workspace, args.max_num_seqs)
+    groups = state_groups(kv, backend_cls, layer, fixed, workspace, args.max_num_seqs)
     graphs = None
     if runtime.supports_graphs and graphs_supported(groups) and not args.enforce_eager:
         graphs = DecodeGraphs(

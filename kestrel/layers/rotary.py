@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from kestrel.core.recipe import RopeSpec
 from kestrel.layers import ops
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    scaling: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
 
 
 @lru_cache(maxsize=16)

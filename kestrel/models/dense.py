@@ -9,14 +9,14 @@ from torch import nn
 from kestrel.core.attention.base import AttentionLayerSpec
 from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.recipe import ModelSpec, RopeSpec
 from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
 from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import RMSNorm
-from kestrel.layers.rotary import apply_rotary, rotary_cos_sin
+from kestrel.layers.rotary import RopeSpec, apply_rotary, rotary_cos_sin
+from kestrel.models.spec import DecoderSpec
 
 PACKED_MAPPINGS = (
     PackedMapping("q_proj", "qkv_proj", "q"),
@@ -35,7 +35,7 @@ def rank_slice(parallel: TensorParallel, total: int, what: str) -> ShardSlice:
     return ShardSlice(parallel.rank * part, part, total)
 
 
-def attention_shards(spec: ModelSpec, parallel: TensorParallel, q_width: int = 1) -> dict[str, ShardSlice]:
+def attention_shards(spec: DecoderSpec, parallel: TensorParallel, q_width: int = 1) -> dict[str, ShardSlice]:
     """The rows of q, k and v this rank holds: its query heads, and its KV heads (replicated
     when there are fewer KV heads than ranks). `q_width` heads' worth of rows per query head
     (2 when each head's projection also holds an output gate)."""
@@ -46,21 +46,17 @@ def attention_shards(spec: ModelSpec, parallel: TensorParallel, q_width: int = 1
     return {"q": q, "k": kv, "v": kv}
 
 
-def attention_layer_spec(spec: ModelSpec, parallel: TensorParallel) -> AttentionLayerSpec:
-    return AttentionLayerSpec(
-        num_heads=parallel.split(spec.num_heads, "num_attention_heads"),
-        num_kv_heads=parallel.head_slice(spec.num_kv_heads, "num_key_value_heads")[1],
-        head_dim=spec.head_dim,
-        scale=spec.head_dim**-0.5,
-        sliding_window=spec.sliding_window,
-    )
+def attention_layer_spec(spec: DecoderSpec, parallel: TensorParallel, index: int | None = None) -> AttentionLayerSpec:
+    """What attention layer `index` (by default the first) asks of its backend on this rank."""
+    layer = spec.attention_layers()[0] if index is None else spec.layers[index]
+    return layer.for_rank(parallel)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int, parallel: TensorParallel) -> None:
+    def __init__(self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.layer_spec = attention_layer_spec(spec, parallel)
+        self.layer_spec = attention_layer_spec(spec, parallel, layer_index)
         shards = attention_shards(spec, parallel)
         self.qkv_proj = ColumnParallelLinear(spec.hidden_size, shards, bias=spec.attention_bias)
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, parallel)
@@ -93,7 +89,7 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, parallel: TensorParallel, intermediate_size: int | None = None) -> None:
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel, intermediate_size: int | None = None) -> None:
         super().__init__()
         width = intermediate_size or spec.intermediate_size
         rows = rank_slice(parallel, width, "intermediate_size")
@@ -117,7 +113,7 @@ class ResidualBlock(nn.Module):
     """norm -> token mixer -> norm -> MLP, with the residual stream carried between layers.
     A subclass provides the mixer (`mix`) and the MLP."""
 
-    def __init__(self, spec: ModelSpec, norm: type[RMSNorm] = RMSNorm) -> None:
+    def __init__(self, spec: DecoderSpec, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
@@ -148,7 +144,7 @@ class ResidualBlock(nn.Module):
 
 
 class DecoderLayer(ResidualBlock):
-    def __init__(self, spec: ModelSpec, layer_index: int, parallel: TensorParallel) -> None:
+    def __init__(self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel) -> None:
         super().__init__(spec)
         self.self_attn = DecoderAttention(spec, layer_index, parallel)
         if spec.is_moe_layer(layer_index):
@@ -164,7 +160,7 @@ class DecoderLayer(ResidualBlock):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, spec: ModelSpec, parallel: TensorParallel, layer: type[ResidualBlock], norm: type[RMSNorm]
+        self, spec: DecoderSpec, parallel: TensorParallel, layer: type[ResidualBlock], norm: type[RMSNorm]
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, parallel)
@@ -175,7 +171,7 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     def __init__(
         self,
-        spec: ModelSpec,
+        spec: DecoderSpec,
         parallel: TensorParallel = SINGLE,
         layer: type[ResidualBlock] = DecoderLayer,
         norm: type[RMSNorm] = RMSNorm,
@@ -207,14 +203,14 @@ class DecoderForCausalLM(nn.Module):
         return logits[:, : self.spec.vocab_size].float()
 
 
-def sparse_moe_args(spec: ModelSpec) -> tuple[int, int, int, int, bool]:
+def sparse_moe_args(spec: DecoderSpec) -> tuple[int, int, int, int, bool]:
     moe = spec.moe
     return spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize
 
 
 def decoder_bindings(
     model: nn.Module,
-    spec: ModelSpec,
+    spec: DecoderSpec,
     extra: tuple[PackedMapping, ...] = (),
     skipped: tuple[SkippedPrefix, ...] = (),
     renamed_prefixes: dict[str, str] | None = None,
@@ -249,7 +245,7 @@ def eos_ids(hf_config: object) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def read_dense_spec(hf_config: object, architecture: str, **family: object) -> ModelSpec:
+def read_dense_spec(hf_config: object, architecture: str, **family: object) -> DecoderSpec:
     """The fields every dense decoder shares; `family` sets what differs (bias, qk norm, window)."""
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -270,7 +266,7 @@ def read_dense_spec(hf_config: object, architecture: str, **family: object) -> M
         eos_token_ids=eos_ids(hf_config),
     )
     fields.update(family)
-    return ModelSpec(**fields)
+    return DecoderSpec(**fields)
 
 
 def reject_sliding_window_layers(hf_config: object, family: str) -> None:
@@ -283,11 +279,11 @@ class DenseDecoderRecipe:
 
     architectures: tuple[str, ...] = ()
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         raise NotImplementedError
 
-    def build(self, spec: ModelSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
+    def build(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
         return DecoderForCausalLM(spec, parallel)
 
-    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         return decoder_bindings(model, spec)

@@ -17,7 +17,6 @@ from torch import nn
 from kestrel.core.forward import ForwardContext
 from kestrel.core.metadata import RecurrentMetadata
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.recipe import LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
 from kestrel.core.recurrent_state import RecurrentLayerState
 from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindingError, WeightBindings
 from kestrel.layers import ops
@@ -40,6 +39,7 @@ from kestrel.models.dense import (
     attention_shards,
     sparse_moe_args,
 )
+from kestrel.models.spec import LINEAR_ATTENTION, DecoderSpec, LinearAttentionSpec
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -166,7 +166,7 @@ class DeltaNetConv(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, spec: ModelSpec, state_index: int, parallel: TensorParallel) -> None:
+    def __init__(self, spec: DecoderSpec, state_index: int, parallel: TensorParallel) -> None:
         super().__init__()
         self.shard = DeltaNetShard.of(spec.linear_attention, parallel)
         linear = self.linear = self.shard.local
@@ -255,7 +255,7 @@ def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate, Gemma-style q/k norms and partial rotary."""
 
-    def __init__(self, spec: ModelSpec, kv_index: int, parallel: TensorParallel) -> None:
+    def __init__(self, spec: DecoderSpec, kv_index: int, parallel: TensorParallel) -> None:
         super().__init__()
         self.kv_index = kv_index
         self.layer_spec = attention_layer_spec(spec, parallel)
@@ -284,7 +284,7 @@ class GatedAttention(nn.Module):
 class SharedExpertMoe(SparseMoe):
     """Routed experts plus one always-on expert scaled by a learned sigmoid gate."""
 
-    def __init__(self, spec: ModelSpec, parallel: TensorParallel) -> None:
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel) -> None:
         super().__init__(*sparse_moe_args(spec), parallel)
         self.shared_expert = DecoderMLP(spec, parallel, spec.shared_expert_size)
         self.shared_expert_gate = Linear(spec.hidden_size, 1)
@@ -295,13 +295,13 @@ class SharedExpertMoe(SparseMoe):
 
 
 class HybridDecoderLayer(ResidualBlock):
-    def __init__(self, spec: ModelSpec, index: int, parallel: TensorParallel) -> None:
+    def __init__(self, spec: DecoderSpec, index: int, parallel: TensorParallel) -> None:
         super().__init__(spec, OffsetRMSNorm)
         self.is_linear = spec.layer_kind(index) == LINEAR_ATTENTION
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(spec, spec.kind_index(index), parallel)
+            self.linear_attn = GatedDeltaNet(spec, spec.group_index(index), parallel)
         else:
-            self.self_attn = GatedAttention(spec, spec.kind_index(index), parallel)
+            self.self_attn = GatedAttention(spec, spec.group_index(index), parallel)
         if spec.is_moe_layer(index) and spec.shared_expert_size:
             self.mlp = SharedExpertMoe(spec, parallel)
         elif spec.is_moe_layer(index):
@@ -315,7 +315,7 @@ class HybridDecoderLayer(ResidualBlock):
 
 
 class HybridForCausalLM(DecoderForCausalLM):
-    def __init__(self, spec: ModelSpec, parallel: TensorParallel = SINGLE) -> None:
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> None:
         super().__init__(spec, parallel, HybridDecoderLayer, OffsetRMSNorm)
 
 
@@ -335,7 +335,7 @@ MTP_HEADS = SkippedPrefix("mtp.", "multi-token prediction heads, unused until sp
 
 def hybrid_bindings(
     model: nn.Module,
-    spec: ModelSpec,
+    spec: DecoderSpec,
     extra: tuple[PackedMapping, ...] = (),
     skipped: tuple[SkippedPrefix, ...] = (),
     renamed_prefixes: dict[str, str] | None = None,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from kestrel.core.recipe import ModelSpec
 from kestrel.models.dense import DenseDecoderRecipe, read_dense_spec
+from kestrel.models.spec import DecoderSpec
 
 
 class LlamaRecipe(DenseDecoderRecipe):
     architectures = ("LlamaForCausalLM",)
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError("Llama checkpoints with mlp_bias=true are not supported")
         return read_dense_spec(

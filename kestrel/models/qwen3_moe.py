@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from kestrel.core.recipe import ModelSpec, MoeSpec
 from kestrel.core.weight_bindings import WeightBindings
 from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import DenseDecoderRecipe, decoder_bindings, read_dense_spec, reject_sliding_window_layers
+from kestrel.models.spec import DecoderSpec, MoeSpec
 
 
 def read_qwen_moe(hf_config: object) -> MoeSpec:
@@ -26,7 +26,7 @@ def read_qwen_moe(hf_config: object) -> MoeSpec:
 class Qwen3MoeRecipe(DenseDecoderRecipe):
     architectures = ("Qwen3MoeForCausalLM",)
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         reject_sliding_window_layers(hf_config, "Qwen3-MoE")
         moe = read_qwen_moe(hf_config)
         return read_dense_spec(
@@ -37,6 +37,6 @@ class Qwen3MoeRecipe(DenseDecoderRecipe):
             moe=moe,
         )
 
-    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
         return decoder_bindings(model, spec, tuple(expert_mappings(spec.moe.num_experts, "mlp", names)))

@@ -9,15 +9,15 @@ from __future__ import annotations
 from torch import nn
 
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.recipe import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionSpec, ModelSpec
 from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.layers.moe import expert_mappings
 from kestrel.models.dense import read_dense_spec, read_rope
 from kestrel.models.hybrid import HybridForCausalLM, hybrid_bindings
 from kestrel.models.qwen3_moe import read_qwen_moe
+from kestrel.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, DecoderSpec, LinearAttentionSpec
 
 
-def read_hybrid_spec(hf_config: object, architecture: str, grouped_projection: bool, **family: object) -> ModelSpec:
+def read_hybrid_spec(hf_config: object, architecture: str, grouped_projection: bool, **family: object) -> DecoderSpec:
     layer_types = tuple(hf_config.layer_types)
     unknown = sorted(set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
     if unknown:
@@ -47,10 +47,10 @@ def read_hybrid_spec(hf_config: object, architecture: str, grouped_projection: b
 class HybridRecipe:
     architectures: tuple[str, ...] = ()
 
-    def build(self, spec: ModelSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
+    def build(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
         return HybridForCausalLM(spec, parallel)
 
-    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         return hybrid_bindings(model, spec)
 
 
@@ -58,7 +58,7 @@ VISION_TOWER = SkippedPrefix("model.visual.", "the vision tower (Kestrel serves 
 LANGUAGE_MODEL = {"model.language_model.": "model."}
 
 
-def read_hybrid_moe_spec(hf_config: object, architecture: str, grouped_projection: bool) -> ModelSpec:
+def read_hybrid_moe_spec(hf_config: object, architecture: str, grouped_projection: bool) -> DecoderSpec:
     moe = read_qwen_moe(hf_config) if getattr(hf_config, "num_experts", 0) else None
     return read_hybrid_spec(
         hf_config,
@@ -72,14 +72,14 @@ def read_hybrid_moe_spec(hf_config: object, architecture: str, grouped_projectio
 class Qwen3NextRecipe(HybridRecipe):
     architectures = ("Qwen3NextForCausalLM",)
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         return read_hybrid_moe_spec(hf_config, "Qwen3NextForCausalLM", grouped_projection=True)
 
-    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         return hybrid_bindings(model, spec, self._expert_mappings(spec))
 
     @staticmethod
-    def _expert_mappings(spec: ModelSpec) -> tuple[PackedMapping, ...]:
+    def _expert_mappings(spec: DecoderSpec) -> tuple[PackedMapping, ...]:
         if spec.moe is None:
             return ()
         names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -89,14 +89,14 @@ class Qwen3NextRecipe(HybridRecipe):
 class Qwen3_5Recipe(HybridRecipe):
     architectures = ("Qwen3_5ForCausalLM",)
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         return read_hybrid_spec(hf_config, "Qwen3_5ForCausalLM", grouped_projection=False)
 
 
 class Qwen3_5MoeRecipe(Qwen3NextRecipe):
     architectures = ("Qwen3_5MoeForCausalLM",)
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         return read_hybrid_moe_spec(hf_config, "Qwen3_5MoeForCausalLM", grouped_projection=False)
 
 
@@ -105,10 +105,10 @@ class Qwen3_5VisionLanguageRecipe(Qwen3_5Recipe):
 
     architectures = ("Qwen3_5ForConditionalGeneration",)
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         return super().spec(text_config(hf_config))
 
-    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         return hybrid_bindings(model, spec, (), (VISION_TOWER,), LANGUAGE_MODEL)
 
 
@@ -117,10 +117,10 @@ class Qwen3_5MoeVisionLanguageRecipe(Qwen3_5MoeRecipe):
 
     architectures = ("Qwen3_5MoeForConditionalGeneration",)
 
-    def spec(self, hf_config: object) -> ModelSpec:
+    def spec(self, hf_config: object) -> DecoderSpec:
         return super().spec(text_config(hf_config))
 
-    def bindings(self, model: nn.Module, spec: ModelSpec) -> WeightBindings:
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         return hybrid_bindings(model, spec, self._expert_mappings(spec), (VISION_TOWER,), LANGUAGE_MODEL)
 
 

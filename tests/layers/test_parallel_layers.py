@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from kestrel.core.parallel import TensorParallel
-from kestrel.core.recipe import ModelSpec, RopeSpec
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
 from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import SparseMoe
+from kestrel.layers.rotary import RopeSpec
 from kestrel.models.dense import attention_shards
+from kestrel.models.spec import DecoderSpec
 
 RANKS = 2
 
@@ -109,7 +110,7 @@ def test_sharded_experts_sum_to_the_whole_mixture():
 
 @pytest.mark.parametrize("kv_heads, expected", [(4, [(0, 2), (2, 2)]), (1, [(0, 1), (0, 1)])])
 def test_kv_heads_split_or_replicate_across_ranks(kv_heads, expected):
-    spec = ModelSpec(
+    spec = DecoderSpec(
         architecture="test",
         vocab_size=16,
         hidden_size=32,
@@ -135,8 +136,8 @@ def test_uneven_head_split_is_a_clear_error():
 
 
 def test_deltanet_projection_ranks_hold_their_key_heads_and_the_value_heads_under_them():
-    from kestrel.core.recipe import LinearAttentionSpec
     from kestrel.models.hybrid import DeltaNetShard, LinearAttentionProjection
+    from kestrel.models.spec import LinearAttentionSpec
 
     torch.manual_seed(4)
     linear = LinearAttentionSpec(
