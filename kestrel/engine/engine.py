@@ -26,6 +26,7 @@ from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChu
 from kestrel.core.runner import PendingStep, SequenceResult, SequenceWork
 from kestrel.core.sampling import TokenLogprobs
 from kestrel.core.transfer import HostSwap
+from kestrel.engine.admission import check_prompt_tokens, resolve_max_tokens
 from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
@@ -76,21 +77,12 @@ class LLMEngine:
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a prompt this engine cannot run; touches no state."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty; it must contain at least one token")
         vocab = self.parts.spec.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        check_prompt_tokens(prompt_token_ids, vocab)
         named = [t for t in params.token_ids_named() if t >= vocab]
         if named:
             raise ValueError(f"token ids in the sampling params out of range [0, {vocab}): {named[:5]}")
-        length, limit = len(prompt_token_ids), self.max_model_len
-        if length > limit or (length == limit and params.max_tokens != 0):
-            raise ValueError(
-                f"the prompt is {length} tokens, but the maximum model length is {limit} "
-                f"and at least one token must be generated; shorten the prompt"
-            )
+        resolve_max_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len, strict=False)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
@@ -101,8 +93,7 @@ class LLMEngine:
             raise ValueError("the engine runs one sequence per request; fan n > 1 out into requests")
         params = self._with_bad_words_tokenized(params)
         self.validate_prompt(prompt_token_ids, params)
-        room = self.max_model_len - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = resolve_max_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len, strict=False)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)

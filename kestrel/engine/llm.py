@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kestrel.config import EngineArgs
+from kestrel.engine.admission import fan_out
 from kestrel.engine.compat import resolve_vllm_arguments
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.outputs import RequestOutput
@@ -125,10 +126,9 @@ class LLM:
         """Add one request per requested sequence (n); return their ids."""
         base = str(next(self._ids))
         children = []
-        for index in range(params.n):
-            seed = None if params.seed is None else params.seed + index
+        for index, child_params in enumerate(fan_out(params)):
             child_id = f"{base}-{index}"
-            child_params = params.replace(n=1, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY)
+            child_params = child_params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
             self.engine.add_request(child_id, token_ids, child_params, prompt=text)
             children.append(child_id)
         return children

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.engine import admission
 from kestrel.engine.outputs import PositionLogprobs
 from kestrel.sampling_params import SamplingParams
 from kestrel.server.engine_client import EngineClient
@@ -49,33 +50,21 @@ class ChoiceResult:
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
-    """OpenAI's rule: the prompt plus the completion must fit the context window. `prompt_param`
-    names the prompt's field in errors ("prompt" or "messages")."""
-    if requested is not None and requested < 0:
-        raise bad_request(f"max_tokens must be non-negative, got {requested}", "max_tokens")
-    if prompt_len > max_model_len or (requested is None and prompt_len >= max_model_len):
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input.",
-            prompt_param,
+    """OpenAI's rule (admission.resolve_max_tokens, strict): the prompt plus the completion
+    must fit the context window. `prompt_param` names the prompt's field in errors."""
+    try:
+        return admission.resolve_max_tokens(
+            prompt_len, requested, max_model_len, strict=True, prompt_param=prompt_param
         )
-    max_tokens = max_model_len - prompt_len if requested is None else requested
-    if prompt_len + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
-            "Please reduce the length of the prompt or completion.",
-            "max_tokens",
-        )
-    return max_tokens
+    except admission.AdmissionError as error:
+        raise bad_request(str(error), error.param) from None
 
 
 def validate_token_ids(token_ids: list[int], vocab_size: int) -> None:
-    if not token_ids:
-        raise bad_request("the prompt is empty; it must contain at least one token", "prompt")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
+    try:
+        admission.check_prompt_tokens(token_ids, vocab_size)
+    except admission.AdmissionError as error:
+        raise bad_request(str(error), error.param) from None
 
 
 @dataclass
@@ -98,8 +87,7 @@ class Generation:
         return len(self.prompts) * self.n
 
     def choice_params(self, index: int) -> SamplingParams:
-        copy = index % self.n
-        return self.params if self.params.seed is None else self.params.replace(seed=self.params.seed + copy)
+        return admission.fan_out(self.params.replace(n=self.n))[index % self.n]
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(choice index, delta) as they arrive from every choice; leaving early aborts all."""

@@ -78,7 +78,7 @@ def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(checkpoint_dir,
 
 def test_prompt_longer_than_max_model_len_is_refused_and_engine_keeps_serving(checkpoint_dir):
     llm = LLM(str(checkpoint_dir("qwen3")), max_model_len=64)
-    with pytest.raises(ValueError, match="prompt is 80 tokens, but the maximum model length is 64"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens. However, your request has 80 input"):
         llm.generate(prompts(1, 10) + prompts(1, 80), GREEDY, use_tqdm=False)
     assert_pool_balanced(llm)  # nothing from the failed call was admitted
     outputs = llm.generate(
