@@ -29,7 +29,8 @@ from kestrel.core.transfer import HostSwap
 from kestrel.engine.admission import check_prompt_tokens, resolve_max_tokens
 from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from kestrel.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from kestrel.engine.output_shaping import OutputShaper
+from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
@@ -60,6 +61,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.parts: EngineParts = build_engine_parts(args)
         self.tokenizer = self.parts.tokenizer
+        self.outputs = OutputShaper(self.tokenizer)
         self.max_model_len = self.parts.max_model_len
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
@@ -296,7 +298,7 @@ class LLMEngine:
             if request.status is RequestStatus.FINISHED:
                 continue  # finished (or aborted) while this step ran: its extra tokens are dropped
             if result.prompt_logprobs:
-                request.prompt_logprobs.extend(self._position_logprobs(lp) for lp in result.prompt_logprobs)
+                request.prompt_logprobs.extend(self.outputs.position_logprobs(lp) for lp in result.prompt_logprobs)
             for sampled in result.sampled:
                 self._append_token(request, sampled.token_id, sampled.logprobs)
                 if request.status is RequestStatus.FINISHED:
@@ -312,7 +314,7 @@ class LLMEngine:
     def _append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
         request.token_ids.append(token_id)
         if logprobs is not None:
-            request.logprobs.append(self._position_logprobs(logprobs))
+            request.logprobs.append(self.outputs.position_logprobs(logprobs))
             request.cumulative_logprob += logprobs.logprob
         new_text_len = 0
         if request.detokenizer is not None:
@@ -337,16 +339,6 @@ class LLMEngine:
         if request.num_output_tokens >= request.max_tokens:
             request.finish("length")
 
-    def _position_logprobs(self, logprobs: TokenLogprobs) -> PositionLogprobs:
-        entries = {logprobs.token_id: Logprob(logprobs.logprob, logprobs.rank, self._piece(logprobs.token_id))}
-        for rank, (token_id, value) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1):
-            if token_id not in entries:
-                entries[token_id] = Logprob(value, rank, self._piece(token_id))
-        return entries
-
-    def _piece(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
     # ---- finishing -------------------------------------------------------------------------
 
     def _retire(self, request: Request) -> RequestOutput:
@@ -361,64 +353,7 @@ class LLMEngine:
         return self._output(request)
 
     def _output(self, request: Request) -> RequestOutput:
-        if request.params.output_kind is RequestOutputKind.DELTA:
-            return self._delta_output(request)
-        return self._request_output(
-            request, request.text, list(request.output_token_ids), request.logprobs, request.prompt_logprobs
-        )
-
-    @staticmethod
-    def _request_output(
-        request: Request,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[PositionLogprobs] | None,
-        prompt_logprobs: list[PositionLogprobs | None] | None,
-    ) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_list,
-            prompt_logprobs=prompt_logprobs,
-            outputs=[completion],
-            finished=request.status is RequestStatus.FINISHED,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
-        )
-
-    def _delta_output(self, request: Request) -> RequestOutput:
-        """What is new since the request's last output. Until it finishes, text that could
-        be the start of a stop string stays back: a stop string can cut the text there, and
-        text already reported cannot be taken back."""
-        finished = request.status is RequestStatus.FINISHED
-        text_end = len(request.text)
-        if not finished and request.params.stop:
-            held = max(len(stop) for stop in request.params.stop) - 1
-            text_end = max(request.num_sent_chars, text_end - held)
-        first_token = request.num_prompt_tokens + request.num_sent_tokens
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = request.logprobs[request.num_sent_logprobs :]
-        first = request.num_sent_tokens == 0
-        output = self._request_output(
-            request,
-            request.text[request.num_sent_chars : text_end],
-            request.token_ids[first_token:],
-            logprobs,
-            request.prompt_logprobs if first else None,
-        )
-        request.num_sent_tokens = request.num_output_tokens
-        request.num_sent_chars = text_end
-        request.num_sent_logprobs += len(logprobs or ())
-        return output
+        return self.outputs.output(request)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any; the engine cannot run steps afterwards."""
