@@ -10,6 +10,7 @@ from kestrel.core.attention.base import AttentionLayerSpec
 from kestrel.core.attention.triton_paged import TritonPagedBackend, decode_attention, decode_splits
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.state import KVCacheSpec, PagedKVProvider
+from kestrel.core.workspace import Workspace
 from tests.core.test_contracts import backend_devices, dense_reference
 
 DEVICES = backend_devices(TritonPagedBackend)
@@ -104,3 +105,29 @@ def test_decode_over_a_float8_pool_matches_dense_attention(
     for row, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
         expected = dense_reference(query[row : row + 1].float(), keys, values, length - 1, layer.scale, window)
         torch.testing.assert_close(output[row : row + 1].float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_split_partials_come_from_the_workspace_the_backend_allocated():
+    """`allocate` reserves the partials once; a split decode through them gives the same
+    output as one that allocates them itself, and allocates nothing new per call."""
+    torch.manual_seed(0)
+    device = torch.device(DEVICES[0])
+    heads, kv_heads, dim, page_size, length = 4, 1, 64, 16, 200
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
+    kv = PagedKVProvider(spec, 32 * spec.bytes_per_page(), device)
+    backend = TritonPagedBackend(device, page_size)
+    workspace = Workspace(device)
+    backend.allocate(workspace, max_rows=2, layer=layer)
+    assert decode_splits(1, kv_heads, device) > 1  # the case below does split
+    pages = tuple(kv.reserve("a", length))
+    slots = backend.bind(BatchLayout((SequenceChunk(length, 0, pages),), 0, page_size)).slot_mapping
+    backend.store(kv.layer(0), *(torch.randn(length, kv_heads, dim, device=device) for _ in range(2)), slots)
+    decode = backend.bind(BatchLayout((SequenceChunk(1, length - 1, pages),), 1, page_size)).decode
+    query = torch.randn(1, heads, dim, device=device)
+    through_workspace, allocated = torch.empty_like(query), torch.empty_like(query)
+    backend.decode(query, query, query, kv.layer(0), decode, layer, through_workspace)
+    decode_attention(query, kv.layer(0), decode, layer, allocated)
+    torch.testing.assert_close(through_workspace, allocated)
+    partials = workspace.get("attention.decode.partial_lse", (1,), torch.float32)
+    assert partials.abs().sum() > 0  # the split wrote its partials there

@@ -18,6 +18,7 @@ from kestrel.core.attention.triton_kernels import (
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.runtime.dependent_launch import dependent_launch_args
 from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
+from kestrel.core.workspace import Workspace
 
 PREFILL_BLOCK_M = 64
 # Prefill pipeline stages: against Triton's default of three, 276 us for 315 (bf16 pool) and
@@ -45,6 +46,13 @@ class TritonPagedBackend(PagedAttentionBackend):
         kv_cache_dtypes=FLOAT8_KV_DTYPES,
     )
 
+    _workspace: Workspace | None = None
+
+    def allocate(self, workspace: Workspace, max_rows: int, layer: AttentionLayerSpec) -> None:
+        """The decode's split-K partials, once, for the largest batch."""
+        reserve_split_partials(workspace, max_rows, layer)
+        self._workspace = workspace
+
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         store_kv(cache, key, value, slots)
 
@@ -58,7 +66,7 @@ class TritonPagedBackend(PagedAttentionBackend):
         layer: AttentionLayerSpec,
         output: torch.Tensor,
     ) -> None:
-        decode_attention(query, cache, meta, layer, output)
+        decode_attention(query, cache, meta, layer, output, workspace=self._workspace)
 
     def prefill(
         self,
@@ -127,17 +135,19 @@ def decode_attention(
     layer: AttentionLayerSpec,
     output: torch.Tensor,
     num_splits: int | None = None,
+    workspace: Workspace | None = None,
     **launch: int,
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
-    its lengths, so a captured graph stays valid for every step of its bucket. `launch`
-    (num_warps, num_stages, BLOCK_N) overrides the defaults, for sweeps."""
+    its lengths, so a captured graph stays valid for every step of its bucket. The split
+    partials come from `workspace` (reserved by `TritonPagedBackend.allocate`), else are
+    allocated for this call. `launch` (num_warps, num_stages, BLOCK_N) overrides the
+    defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
     if splits > 1:
-        partial_out = query.new_empty((meta.num_seqs, layer.num_heads, splits, layer.head_dim), dtype=torch.float32)
-        partial_lse = query.new_empty((meta.num_seqs, layer.num_heads, splits), dtype=torch.float32)
+        partial_out, partial_lse = _split_partials(workspace, query, meta.num_seqs, layer, splits)
     constants = dict(
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
@@ -187,6 +197,31 @@ def decode_attention(
             SPLITS_PAD=triton.next_power_of_2(splits),
             **dependent_launch_args(query.device),
         )
+
+
+_PARTIAL_OUT, _PARTIAL_LSE = "attention.decode.partial_out", "attention.decode.partial_lse"
+
+
+def reserve_split_partials(workspace: Workspace, max_rows: int, layer: AttentionLayerSpec) -> None:
+    """Room for the split partials of any decode batch of up to `max_rows` sequences."""
+    rows = max(n * decode_splits(n, layer.num_kv_heads, workspace.device) for n in range(1, max_rows + 1))
+    workspace.reserve(_PARTIAL_OUT, rows * layer.num_heads * layer.head_dim, torch.float32)
+    workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
+
+
+def _split_partials(
+    workspace: Workspace | None, query: torch.Tensor, num_seqs: int, layer: AttentionLayerSpec, splits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_seqs, layer.num_heads, splits)
+    if workspace is None:
+        return (
+            query.new_empty((*shape, layer.head_dim), dtype=torch.float32),
+            query.new_empty(shape, dtype=torch.float32),
+        )
+    return (
+        workspace.get(_PARTIAL_OUT, (*shape, layer.head_dim), torch.float32),
+        workspace.get(_PARTIAL_LSE, shape, torch.float32),
+    )
 
 
 def decode_launch(cache: KVLayerCache, head_dim: int, splits: int) -> dict[str, int]:
