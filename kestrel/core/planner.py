@@ -37,6 +37,7 @@ class ScheduledChunk:
     request_id: str
     num_new_tokens: int
     num_computed_tokens: int
+    num_new_pages: int = 0  # pages the chunk takes from the pool, its lookahead included
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class StepPlan:
 class PlannerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
+    # Pages reserved past each scheduled chunk, for tokens a step may add beyond the ones it
+    # computes (a verify row's draft tokens, written in the next step).
+    num_lookahead_tokens: int = 0
 
 
 class Planner(Protocol):
@@ -71,7 +75,7 @@ class FcfsPlanner:
         self.config = config
 
     def plan(self, queue: QueueState, capacity: Capacity) -> StepPlan:
-        step = _StepBuilder(self.config.max_num_batched_tokens, capacity)
+        step = _StepBuilder(self.config.max_num_batched_tokens, capacity, self.config.num_lookahead_tokens)
         step.schedule_running(list(queue.running))
         if not step.preempted:
             # After a preemption the pool is tight; admitting more would only thrash.
@@ -86,8 +90,9 @@ class FcfsPlanner:
 class _StepBuilder:
     """Mutable bookkeeping while one plan is built; never escapes `plan`."""
 
-    def __init__(self, token_budget: int, capacity: Capacity) -> None:
+    def __init__(self, token_budget: int, capacity: Capacity, lookahead: int = 0) -> None:
         self.token_budget = token_budget
+        self.lookahead = lookahead
         self.free_pages = capacity.free_pages
         self.page_size = capacity.page_size
         self.scheduled: list[ScheduledChunk] = []
@@ -96,13 +101,14 @@ class _StepBuilder:
         self.num_running = 0
 
     def _new_pages(self, request: RequestView, num_new_tokens: int) -> int:
-        total = pages_for(request.num_computed_tokens + num_new_tokens, self.page_size)
+        total = pages_for(request.num_computed_tokens + num_new_tokens + self.lookahead, self.page_size)
         return max(total - request.num_pages, 0)
 
     def _take(self, request: RequestView, num_new_tokens: int, new_pages: int) -> None:
         self.free_pages -= new_pages
         self.token_budget -= num_new_tokens
-        self.scheduled.append(ScheduledChunk(request.request_id, num_new_tokens, request.num_computed_tokens))
+        chunk = ScheduledChunk(request.request_id, num_new_tokens, request.num_computed_tokens, new_pages)
+        self.scheduled.append(chunk)
 
     def schedule_running(self, running: list[RequestView]) -> None:
         index = 0

@@ -80,3 +80,16 @@ def test_admission_leaves_a_page_of_headroom_per_running_request():
     running = [view("x", 6, 5, 2), view("y", 6, 5, 2)]
     assert plan(running=running, waiting=[view("v", 8)], free_pages=3).admitted == ()
     assert plan(running=running, waiting=[view("v", 8)], free_pages=4).admitted == ("v",)
+
+
+def test_lookahead_tokens_reserve_pages_past_each_chunk():
+    """With room for 3 draft tokens a decode at a page's last slot needs a second page, and
+    the capacity accounting charges it."""
+    planner = FcfsPlanner(PlannerConfig(max_num_batched_tokens=16, max_num_seqs=8, num_lookahead_tokens=3))
+    running = (view("a", 4, computed=3), view("b", 9, computed=8))
+    result = planner.plan(QueueState((), running), Capacity(2, PAGE))
+    assert [(c.request_id, c.num_new_pages) for c in result.scheduled] == [("a", 1), ("b", 1)]
+    tight = planner.plan(QueueState((), running), Capacity(1, PAGE))
+    assert tight.preempted == ("b",)  # without lookahead both would have fitted in one page
+    plain = plan(running=running, free_pages=1)
+    assert plain.preempted == () and [c.num_new_pages for c in plain.scheduled] == [0, 1]
