@@ -18,7 +18,6 @@ from kestrel.core.runtime import DeviceRuntime
 from kestrel.core.runtime.base import HostTransfer
 from kestrel.core.sampling import (
     DeviceSamples,
-    LastSamples,
     LogprobTensors,
     SampledToken,
     Sampler,
@@ -182,7 +181,7 @@ class ModelRunner:
         token_ids, logits_indices, rows = self._host_inputs(ordered)
         follows = self._follow_rows(ordered)
         if follows:
-            self._share_last_samples()
+            self.sampler.share_last(self.parallel, self.runtime.device)
         if self._fits_graph(ordered):
             logits = self.graphs.run(layout, token_ids, lambda ids: self._take_last_samples(ids, follows))
         else:
@@ -210,18 +209,6 @@ class ModelRunner:
                     raise RuntimeError(f"request {item.request_id} follows a sample the last step did not draw")
                 follows.append((end - 1, last.rows[item.request_id]))
         return follows
-
-    def _share_last_samples(self) -> None:
-        """Every rank takes the tokens rank 0 sampled last step (only rank 0 samples); all ranks
-        get here in the same steps, because they all run the same work."""
-        if self.parallel.size == 1:
-            return
-        last = self.sampler.last
-        tokens = last.tokens
-        if tokens is None:
-            tokens = torch.empty(max(last.rows.values()) + 1, dtype=torch.long, device=self.runtime.device)
-            self.sampler.last = LastSamples(last.rows, tokens)
-        self.parallel.broadcast_from_first(tokens)
 
     def _take_last_samples(self, input_ids: torch.Tensor, follows: list[tuple[int, int]]) -> None:
         """Write the previous step's samples into this step's input ids, on the device."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.core.batch import values_to_device
+from kestrel.core.parallel import TensorParallel
 from kestrel.sampling_params import SamplingParams
 
 
@@ -263,6 +264,17 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+    def share_last(self, parallel: TensorParallel, device: torch.device) -> None:
+        """Every tensor-parallel rank takes the tokens rank 0 sampled last step (only rank 0
+        samples); all ranks call this in the same steps, because they all run the same work."""
+        if parallel.size == 1:
+            return
+        tokens = self.last.tokens
+        if tokens is None:
+            tokens = torch.empty(max(self.last.rows.values()) + 1, dtype=torch.long, device=device)
+            self.last = LastSamples(self.last.rows, tokens)
+        parallel.broadcast_from_first(tokens)
 
     def remember(self, sampled_ids: Sequence[str], tokens: torch.Tensor | None) -> None:
         """Keep this step's samples (on a worker, only whose rows they are) for the next step."""

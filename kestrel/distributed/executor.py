@@ -157,7 +157,7 @@ class TensorParallelExecutor(ABC):
     def launch(self, work: Sequence[SequenceWork]) -> _GuardedStep:
         """Send the step to the workers and launch it here. Steps may overlap as on one rank:
         tokens rank 0 sampled reach the workers by a device broadcast
-        (`ModelRunner._share_last_samples`)."""
+        (`Sampler.share_last`)."""
 
         def step() -> LaunchedStep:
             self.raise_if_failed()
