@@ -87,14 +87,6 @@ class BatchLayout:
         return pages * self.page_size + positions % self.page_size
 
 
-def query_start_loc(chunks: Sequence[SequenceChunk], first_row: int = 0) -> list[int]:
-    """The token row where each chunk's new tokens start, plus the row after the last."""
-    starts = [first_row]
-    for chunk in chunks:
-        starts.append(starts[-1] + chunk.query_len)
-    return starts
-
-
 def page_table(
     chunks: Sequence[SequenceChunk], fill: int = 0, num_rows: int | None = None, group: str = KV_GROUP
 ) -> np.ndarray:

@@ -63,7 +63,7 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         self.spec = spec
         self.device = device
         self.num_slots = num_slots
-        self.scratch_slot = self.scratch_id = num_slots  # owned by no request: padded rows may write there
+        self.scratch_id = num_slots  # owned by no request: padded rows may write there
         self._free = list(range(num_slots - 1, -1, -1))
         self._owned: dict[str, int] = {}
         self._num_tokens: dict[str, int] = {}  # tokens each request's state will reflect

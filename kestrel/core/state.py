@@ -239,7 +239,7 @@ class PagedKVProvider(StateProvider):
         self.allocator = PageAllocator(num_pages, spec.page_size, cache)
         # One page past the allocator's range that no request ever owns: padded rows of a
         # captured graph write their throwaway keys and values there.
-        self.scratch_page = self.scratch_id = num_pages
+        self.scratch_id = num_pages
         self.layout = layout or KVLayout(values_by_slot=spec.dtype in FLOAT8_KV_DTYPES)
         shape = (spec.num_layers, 2, spec.num_kv_heads, num_pages + 1, spec.page_size, spec.head_dim)
         # Zeros, not empty: masked-out positions are multiplied by zero weights, and

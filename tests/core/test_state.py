@@ -56,7 +56,7 @@ def test_provider_sizes_the_pool_from_the_byte_budget():
     provider = PagedKVProvider(spec, budget_bytes=10 * spec.bytes_per_page() + 7, device=torch.device("cpu"))
     assert provider.num_pages == 10 and provider.capacity_tokens == 40
     assert provider.layer(1).key.shape == (2, 11, 4, 8)  # head-major pages, plus the scratch page
-    assert provider.scratch_page == 10
+    assert provider.scratch_id == 10
     with pytest.raises(ValueError, match="holds no page"):
         PagedKVProvider(spec, budget_bytes=10, device=torch.device("cpu"))
 
@@ -122,5 +122,5 @@ def test_recurrent_slots_are_sized_by_layer_and_leave_a_scratch_slot():
     provider = recurrent_provider(3)
     layer = provider.layer(1)
     assert layer.conv.shape == (4, 6, 3) and layer.recurrent.shape == (4, 2, 4, 4)
-    assert layer.recurrent.dtype == torch.float32 and provider.scratch_slot == 3
+    assert layer.recurrent.dtype == torch.float32 and provider.scratch_id == 3
     assert provider.spec.bytes_per_slot() == 2 * (6 * 3 * 4 + 2 * 4 * 4 * 4)
