@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.bench.throughput import decoder_and_head_params, matmul_flops_per_s, random_prompts
+from kestrel.bench.limits import ModelCost
+from kestrel.bench.throughput import matmul_flops_per_s, random_prompts
 from kestrel.bench.trace import device_timeline
 
 
@@ -83,9 +84,9 @@ def main() -> None:
     tokens = per_step * args.input_len + args.decode_rows
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     rate = matmul_flops_per_s(budget, spec, dtype, torch.device(args.device))
-    decoder, lm_head = decoder_and_head_params(spec)
+    cost = ModelCost.of(llm.engine.parts)
     sampled = args.decode_rows + per_step  # only sampled positions reach the LM head
-    matmul_ms = 2 * (decoder * tokens + lm_head * sampled) / rate * 1e3
+    matmul_ms = (cost.flops_per_token(0) * tokens + 2 * cost.lm_head_params * sampled) / rate * 1e3
     report = {
         "args": vars(args),
         "tokens_per_step": tokens,

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from kestrel.bench.limits import ModelCost
 from kestrel.core.batch import KV_GROUP
 
 
@@ -25,17 +26,6 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
         target.copy_(source)
     _sync(device)
     return 2 * num_bytes * repeats / (time.perf_counter() - start)
-
-
-def decode_weight_bytes(parts) -> int:
-    """Bytes of weights a decode step reads: every parameter, but of an untied embedding only
-    the looked-up rows (negligible), so the table itself is not counted."""
-    element = torch.empty((), dtype=parts.dtype).element_size()
-    spec = parts.spec
-    weight_bytes = sum(p.numel() * p.element_size() for p in parts.runner.model.parameters())
-    if not spec.tie_word_embeddings:
-        weight_bytes -= spec.vocab_size * spec.hidden_size * element
-    return weight_bytes
 
 
 def _sync(device: torch.device) -> None:
@@ -105,12 +95,11 @@ def run_latency_benchmark(args: argparse.Namespace) -> int:
     spec, device = parts.spec, parts.runtime.device
     prompt = random_prompts(1, args.input_len, spec.vocab_size)[0]
     kestrel_times = time_kestrel(llm, prompt, args.output_len)
-    element = torch.empty((), dtype=parts.dtype).element_size()
-    weight_bytes = decode_weight_bytes(parts)
+    cost = ModelCost.of(parts)
     mean_context = args.input_len + args.output_len / 2
-    kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * mean_context
+    step_bytes = cost.decode_step_bytes(1, mean_context)
     bandwidth = copy_bandwidth(device)
-    limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+    limit_ms = step_bytes / bandwidth * 1e3
     report = {
         "model": args.dummy_config or args.model,
         "dtype": str(parts.dtype),
@@ -119,8 +108,10 @@ def run_latency_benchmark(args: argparse.Namespace) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "kestrel": kestrel_times,
-        "weight_bytes": weight_bytes,
-        "kv_bytes_per_step": kv_bytes,
+        "model_weight_bytes": sum(p.numel() * p.element_size() for p in parts.runner.model.parameters()),
+        "weight_bytes_per_step": cost.weight_bytes(1),
+        "kv_bytes_per_step": mean_context * cost.kv_bytes_per_token,
+        "recurrent_state_bytes_per_step": 2 * cost.recurrent_bytes_per_sequence,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "bandwidth_limit_ms_per_token": limit_ms,
         "kestrel_over_limit": kestrel_times["decode_ms_per_token"] / limit_ms,

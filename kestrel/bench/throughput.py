@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kestrel.bench.latency import copy_bandwidth, decode_weight_bytes
+from kestrel.bench.latency import copy_bandwidth
+from kestrel.bench.limits import ModelCost, compute_limit_tokens_per_s, memory_limit_tokens_per_s
 from kestrel.models.spec import DecoderSpec
 
 
@@ -87,49 +88,6 @@ def matmul_flops_per_s(tokens: int, spec: DecoderSpec, dtype: torch.dtype, devic
     return 2 * tokens * spec.hidden_size * spec.intermediate_size / seconds
 
 
-def decoder_and_head_params(spec: DecoderSpec) -> tuple[int, int]:
-    """Parameters every token multiplies (the decoder layers'), and the LM head's, which
-    only sampled positions reach; the embedding table is looked up, not multiplied."""
-    lm_head = spec.vocab_size * spec.hidden_size
-    embeddings = lm_head * (1 if spec.tie_word_embeddings else 2)
-    return spec.num_parameters() - embeddings, lm_head
-
-
-def compute_limit_tokens_per_s(spec: DecoderSpec, prompts: int, input_len: int, output_len: int, rate: float) -> float:
-    """Output tokens/s if every necessary FLOP ran at `rate`.
-
-    Every token goes through the decoder layers (2 x their params); only sampled positions
-    (one per output token) go through the LM head; attention adds 4 x heads x dim x context.
-    """
-    decoder_params, lm_head = decoder_and_head_params(spec)
-    tokens = prompts * (input_len + output_len)
-    mean_context = (input_len + output_len) / 2
-    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * mean_context * tokens
-    total_flops = 2 * decoder_params * tokens + 2 * lm_head * prompts * output_len + attention
-    return prompts * output_len / (total_flops / rate)
-
-
-def memory_limit_tokens_per_s(
-    prompts: int,
-    input_len: int,
-    output_len: int,
-    batch: int,
-    weight_bytes: int,
-    kv_bytes_per_token: int,
-    bandwidth: float,
-) -> float:
-    """Output tokens/s if the bytes decoding must read moved at `bandwidth`: the weights once
-    per decode step (up to `batch` requests share one) and every decoded token's KV context.
-
-    Attention kernels read KV while matmuls compute, one after the other in each layer, so a
-    long-context run is bound by both limits in sequence rather than by the larger alone.
-    """
-    tokens = prompts * output_len
-    steps = tokens / min(prompts, batch)
-    kv_bytes = tokens * (input_len + output_len / 2) * kv_bytes_per_token
-    return tokens / ((steps * weight_bytes + kv_bytes) / bandwidth)
-
-
 def build_hf_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
@@ -138,6 +96,11 @@ def build_hf_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.d
 
         with torch.device(device):  # initialise the random weights where they will live
             return AutoModelForCausalLM.from_config(dummy_hf_config(args.dummy_config), dtype=dtype).eval()
+    if args.load_format == "dummy":  # a config folder without weights: random ones, as Kestrel's
+        from transformers import AutoConfig
+
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=dtype).eval()
     return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
 
 
@@ -158,19 +121,14 @@ def run_throughput_benchmark(args: argparse.Namespace) -> int:
         time_hf(hf, prompts[:2], 4)
         results += [time_hf(hf, prompts[:1], args.output_len), time_hf(hf, prompts, args.output_len)]
     rate = matmul_flops_per_s(args.num_prompts, spec, dtype, device)
-    limit = compute_limit_tokens_per_s(spec, args.num_prompts, args.input_len, args.output_len, rate)
+    cost = ModelCost.of(llm.engine.parts)
+    limit = compute_limit_tokens_per_s(cost, args.num_prompts, args.input_len, args.output_len, rate)
     bandwidth = copy_bandwidth(device, 1 << 28)
-    kv_spec = llm.engine.parts.kv.spec
     memory_limit = memory_limit_tokens_per_s(
-        args.num_prompts,
-        args.input_len,
-        args.output_len,
-        args.max_num_seqs,
-        decode_weight_bytes(llm.engine.parts),
-        kv_spec.bytes_per_page() // kv_spec.page_size,
-        bandwidth,
+        cost, args.num_prompts, args.input_len, args.output_len, args.max_num_seqs, bandwidth
     )
-    print(f"model {spec.architecture}, {spec.num_parameters() / 1e6:.1f}M parameters, {dtype}, {device}")
+    num_params = sum(p.numel() for p in llm.engine.parts.runner.model.parameters())
+    print(f"model {spec.architecture}, {num_params / 1e6:.1f}M parameters, {dtype}, {device}")
     print(f"workload: input {args.input_len}, output {args.output_len} tokens per request")
     print(f"{'engine':<18}{'concurrency':>12}{'requests/s':>12}{'output tok/s':>14}")
     for m in results:
@@ -180,8 +138,8 @@ def run_throughput_benchmark(args: argparse.Namespace) -> int:
         f"compute limit at concurrency {args.num_prompts}: {limit:.1f} output tok/s"
     )
     print(
-        f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s; memory limit (weights per step of {args.max_num_seqs}, "
-        f"KV per token): {memory_limit:.1f} output tok/s"
+        f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s; memory limit (the weights a step of "
+        f"{min(args.num_prompts, args.max_num_seqs)} reads, KV and state per token): {memory_limit:.1f} output tok/s"
     )
     if args.output_json:
         report = {
