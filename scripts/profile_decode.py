@@ -118,18 +118,20 @@ def full_batch_steps(llm: LLM, out: Path, batch: int = 256, steps: int = 20) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out")
-    parser.add_argument("--context", type=int, default=1500)
+    parser.add_argument("--context", type=int, default=1500, help="0 leaves out the long-context batch")
+    parser.add_argument("--dummy-config", default="llama-3-8b")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=60)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(
-        "llama-3-8b",
+        args.dummy_config,
         load_format="dummy",
         dtype="bfloat16",
         device="cuda",
         max_model_len=4096,
         max_num_seqs=256,
-        kv_cache_memory_gb=60,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
     parts = llm.engine.parts
     graphs = parts.runner.graphs
@@ -165,26 +167,34 @@ def main() -> None:
     report["replay_timeline_1"] = replay_timeline(graphs, 1, out / "timeline_batch1.json")
     report.update(full_batch_steps(llm, out))
 
-    # A full batch of long contexts: page tables pointing at real (garbage) pages.
+    if args.context:
+        report.update(long_context_batch(graphs, parts, args.context, out))
+    if args.dummy_config == "llama-3-8b":  # the shapes linear_bandwidth times are Llama-3-8B's
+        report["linear_gb_s_at_1_row"] = linear_bandwidth(torch.device("cuda"))
+    print(json.dumps(report, indent=2))
+    (out / "profile.json").write_text(json.dumps(report, indent=2))
+
+
+def long_context_batch(graphs, parts, context: int, out: Path) -> dict[str, float]:
+    """A full batch of long contexts: page tables pointing at real (garbage) pages."""
+    report = {}
     page_size = parts.kv.spec.page_size
-    pages_per_seq = -(-args.context // page_size)
+    pages_per_seq = -(-context // page_size)
     size = graphs.buckets[-1]
     table = torch.arange(size * pages_per_seq).view(size, pages_per_seq) % (parts.kv.total_capacity() - 1)
-    chunks = tuple(SequenceChunk(1, args.context - 1, tuple(row.tolist())) for row in table)
+    chunks = tuple(SequenceChunk(1, context - 1, tuple(row.tolist())) for row in table)
     layout = BatchLayout(chunks, len(chunks), page_size)
     for group in graphs.groups.values():
         group.binder.prepare_replay(layout, size)
-    graphs.positions[:size] = args.context - 1
-    report[f"replay_ms_{size}_ctx{args.context}"] = replay_ms(graphs, size, 20)
+    graphs.positions[:size] = context - 1
+    report[f"replay_ms_{size}_ctx{context}"] = replay_ms(graphs, size, 20)
     kernel_table(graphs, size, out / f"kernels_batch{size}.txt")
     report[f"replay_timeline_{size}"] = replay_timeline(graphs, size, out / f"timeline_batch{size}.json")
     short = BatchLayout(tuple(SequenceChunk(1, 0, (chunk.page_ids[0],)) for chunk in chunks), len(chunks), page_size)
     for group in graphs.groups.values():
         group.binder.prepare_replay(short, size)
     report[f"replay_ms_{size}_ctx1"] = replay_ms(graphs, size, 20)
-    report["linear_gb_s_at_1_row"] = linear_bandwidth(torch.device("cuda"))
-    print(json.dumps(report, indent=2))
-    (out / "profile.json").write_text(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":

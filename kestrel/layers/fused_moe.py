@@ -1,13 +1,19 @@
 """Fused mixture of experts for CUDA: grouped Triton matmuls over tokens sorted by expert.
 
-The (token, choice) assignments are sorted by expert on the device and each expert's run is
+The (token, choice) assignments are grouped by expert on the device and each expert's run is
 padded to a whole number of row blocks, so every block of rows belongs to one expert. One
 kernel launch then computes every expert's gate/up projection, another every down
 projection (scaled by the routing weight). All shapes depend only on the token count, never
 on the routing, so nothing is read back to the host and a step can be captured in a graph.
+
+The grouping is two small kernels (count and lay out the blocks; place each row), not a sort:
+a decode step runs it in every layer, where a dozen torch ops cost more than the matmuls'
+bytes. Launch shapes come from a table measured per GPU and token count (`moe_launch`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -15,9 +21,32 @@ import triton.language as tl
 
 from kestrel.layers import ops
 
-BLOCK_M = 16  # rows per block: small, since an expert often gets few tokens in decode
-BLOCK_N = 64
-BLOCK_K = 64
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """How the grouped matmuls tile: rows per block (also the padding of each expert's run),
+    output columns and reduction depth per step, warps and pipeline stages."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# The fastest launch per range of assignments (tokens x top_k), shared by both matmuls, as
+# scripts/moe_sweep.py measures it per GPU over the Qwen3-30B-A3B and Qwen3-Next expert
+# shapes. Until a sweep fills it in, one launch for every count: short row blocks, since a
+# decode step gives each expert a row or two.
+LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = ((1 << 62, MoeLaunch()),)
+
+
+def moe_launch(num_rows: int) -> MoeLaunch:
+    """The launch for `num_rows` assignments (tokens x top_k)."""
+    for most_rows, launch in LAUNCHES:
+        if num_rows <= most_rows:
+            return launch
+    return LAUNCHES[-1][1]
 
 
 @triton.jit
@@ -46,16 +75,15 @@ def grouped_matmul_kernel(
     expert, as a linear layer's weight), optionally times weights[row]."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
+    if expert < 0:  # past the last expert's run: the grid covers the most blocks routing can need
+        return
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(row_ids_ptr + offs_m)
-    # Padding rows hold num_rows; a block past the last expert's run has expert -1 and
-    # computes nothing (masked, rather than returning early).
-    valid = (rows < num_rows) & (expert >= 0)
-    expert = tl.maximum(expert, 0)
+    valid = rows < num_rows  # padding rows hold num_rows
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (rows // A_ROW_DIVISOR)[:, None] * stride_a
-    b_cols = b_ptr + expert * stride_b_expert + offs_n[None, :] * stride_b_n
+    b_cols = b_ptr + expert.to(tl.int64) * stride_b_expert + offs_n[None, :] * stride_b_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         in_k = start + offs_k < k
@@ -71,14 +99,91 @@ def grouped_matmul_kernel(
     )
 
 
-def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
-    """Assignments [tokens, top_k] -> (row ids grouped by expert, padded per expert to whole
-    blocks, padding rows = tokens * top_k; the expert of each block, -1 past the end)."""
+@triton.jit
+def expert_blocks_kernel(
+    experts_ptr,
+    cursors_ptr,
+    row_ids_ptr,
+    block_experts_ptr,
+    num_rows,
+    capacity,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: count each expert's assignments, pad each run to whole blocks, write
+    where each run starts (the cursors `place_rows_kernel` advances), the expert of every
+    block (-1 past the last run), and fill the row ids with padding."""
+    expert_ids = tl.arange(0, EXPERTS_POW2)
+    counts = tl.zeros((EXPERTS_POW2,), dtype=tl.int32)
+    for start in range(0, num_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        chosen = tl.load(experts_ptr + offs, mask=offs < num_rows, other=-1)
+        counts += tl.sum((chosen[:, None] == expert_ids[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(cursors_ptr + expert_ids, ends - padded, mask=expert_ids < NUM_EXPERTS)
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(row_ids_ptr + offs, num_rows, mask=offs < capacity)
+    for start in range(0, capacity // BLOCK_M, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first_row = blocks * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(owner < NUM_EXPERTS, owner, -1)
+        tl.store(block_experts_ptr + blocks, owner, mask=blocks < capacity // BLOCK_M)
+
+
+@triton.jit
+def place_rows_kernel(experts_ptr, cursors_ptr, row_ids_ptr, num_rows, BLOCK: tl.constexpr):
+    """Each assignment takes the next free place in its expert's run. The order inside a run
+    is whatever the atomics give: every row is computed alone, so it does not matter."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < num_rows
+    chosen = tl.load(experts_ptr + offs, mask=inside, other=0)
+    place = tl.atomic_add(cursors_ptr + chosen, 1, mask=inside)
+    tl.store(row_ids_ptr + place, offs, mask=inside)
+
+
+def group_capacity(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Rows the grouped layout can need: every assignment, plus up to block_m - 1 padding
+    rows for each expert that got any (at most min(num_experts, num_rows) of them)."""
+    capacity = num_rows + min(num_experts, num_rows) * (block_m - 1)
+    return -(-capacity // block_m) * block_m
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignments [tokens, top_k] -> (row ids grouped by expert, each run padded to whole
+    blocks with padding rows = tokens * top_k; the expert of each block, -1 past the end)."""
+    flat = experts.flatten().to(torch.int32)
+    num_rows = flat.numel()
+    capacity = group_capacity(num_rows, num_experts, block_m)
+    cursors = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    row_ids = torch.empty(capacity, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
+    expert_blocks_kernel[(1,)](
+        flat,
+        cursors,
+        row_ids,
+        block_experts,
+        num_rows,
+        capacity,
+        NUM_EXPERTS=num_experts,
+        EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m,
+        CHUNK=64,
+    )
+    place = 256
+    place_rows_kernel[(triton.cdiv(num_rows, place),)](flat, cursors, row_ids, num_rows, BLOCK=place)
+    return row_ids, block_experts
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `group_by_expert`: the same layout, each run in token order."""
     flat = experts.flatten()
     num_rows = flat.numel()
-    capacity = num_rows + num_experts * (block_m - 1)  # the most padding the routing can need
-    capacity = -(-capacity // block_m) * block_m
-    # scatter_add, not bincount: bincount reads the largest id back to the host.
+    capacity = group_capacity(num_rows, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded_counts.cumsum(0)
@@ -101,11 +206,12 @@ def _grouped_matmul(
     block_experts: torch.Tensor,
     num_rows: int,
     a_row_divisor: int,
+    launch: MoeLaunch,
     routing_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, k = weight.shape[1], weight.shape[2]
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
-    grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
+    grid = (block_experts.numel(), triton.cdiv(n, launch.block_n))
     grouped_matmul_kernel[grid](
         a,
         weight,
@@ -122,25 +228,33 @@ def _grouped_matmul(
         out.stride(0),
         A_ROW_DIVISOR=a_row_divisor,
         SCALE_BY_WEIGHT=routing_weights is not None,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
         # float32 models get exact float32 products (their outputs are compared with HF's).
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out
 
 
 def fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    launch: MoeLaunch | None = None,
 ) -> torch.Tensor:
     """hidden [tokens, h]; w13 [experts, 2 * inter, h] (gate then up); w2 [experts, h, inter];
     weights, experts [tokens, top_k]. Returns sum over choices of weight * expert(hidden)."""
     tokens, top_k = experts.shape
     num_rows = tokens * top_k
-    row_ids, block_experts = sort_by_expert(experts, w13.shape[0])
-    gate_up = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k)
+    launch = launch or moe_launch(num_rows)
+    row_ids, block_experts = group_by_expert(experts, w13.shape[0], launch.block_m)
+    gate_up = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k, launch)
     activated = ops.silu_and_mul(gate_up)
     flat_weights = weights.flatten().contiguous()
-    down = _grouped_matmul(activated, w2, row_ids, block_experts, num_rows, 1, flat_weights)
+    down = _grouped_matmul(activated, w2, row_ids, block_experts, num_rows, 1, launch, flat_weights)
     return down.view(tokens, top_k, -1).sum(dim=1)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kestrel.layers.fused_moe import fused_moe, sort_by_expert
+from kestrel.layers.fused_moe import MoeLaunch, fused_moe, group_by_expert, sort_by_expert
 from kestrel.layers.moe import SparseMoe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,6 +28,21 @@ def test_sort_groups_rows_by_expert_in_whole_blocks():
     assert all(all(r == padding for r in block) for block in blocks[3:])
 
 
+@pytest.mark.parametrize(
+    "tokens, top_k, num_experts, block_m", [(1, 2, 4, 16), (3, 2, 4, 4), (50, 3, 6, 16), (300, 8, 128, 16)]
+)
+def test_the_grouping_kernels_lay_out_blocks_as_the_sort_does(tokens, top_k, num_experts, block_m):
+    generator = torch.Generator().manual_seed(tokens)
+    experts = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    expected_rows, expected_blocks = sort_by_expert(experts, num_experts, block_m)
+    rows, blocks = group_by_expert(experts.to(DEVICE), num_experts, block_m)
+    assert blocks.tolist() == expected_blocks.tolist()
+    # Inside a block the order is the atomics', so compare each block's rows as a set.
+    got = [sorted(block) for block in rows.cpu().view(-1, block_m).tolist()]
+    want = [sorted(block) for block in expected_rows.view(-1, block_m).tolist()]
+    assert got == want
+
+
 @pytest.mark.parametrize("tokens, top_k, renormalize", [(1, 2, True), (5, 2, False), (37, 3, True)])
 def test_fused_moe_matches_the_torch_path(tokens, top_k, renormalize):
     torch.manual_seed(0)
@@ -38,5 +53,7 @@ def test_fused_moe_matches_the_torch_path(tokens, top_k, renormalize):
     hidden = torch.randn(tokens, hidden_size, device=DEVICE)
     weights, experts = moe.route(hidden)
     expected = moe.grouped(hidden, weights, experts)
-    got = fused_moe(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts)
-    torch.testing.assert_close(got, expected, atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
+    tolerance = dict(atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
+    for launch in (None, MoeLaunch(block_m=32, block_n=32, block_k=32), MoeLaunch(block_m=16, block_k=128)):
+        got = fused_moe(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts, launch)
+        torch.testing.assert_close(got, expected, **tolerance)
