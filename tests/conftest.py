@@ -64,6 +64,7 @@ TRITON_MODULES = {
     "tests/layers/test_gemv.py",
     "tests/layers/test_fused.py",
     "tests/layers/test_fused_moe.py",
+    "tests/layers/test_gated_delta_kernels.py",
 }
 
 

@@ -55,3 +55,4 @@ class RecurrentMetadata:
     has_state: tuple[bool, ...]
     slots: torch.Tensor  # [num_seqs], the slot ids on the device
     has_state_tensor: torch.Tensor  # [num_seqs] bool
+    query_start: torch.Tensor  # [num_seqs + 1] int32 on the device: query_start_loc, for kernels

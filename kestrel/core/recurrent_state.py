@@ -144,6 +144,7 @@ class RecurrentStateProvider(StateProvider, StepBinder):
             has_state=has_state,
             slots=values_to_device(slot_ids, torch.long, self.device),
             has_state_tensor=values_to_device(has_state, torch.bool, self.device),
+            query_start=to_device(layout.query_start_loc.astype(np.int32), self.device),
         )
 
     def prepare_capture(self, workspace: Workspace, scratch: int, max_rows: int, max_pages: int) -> None:
@@ -151,6 +152,10 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         self._graph_vectors = workspace.get(_GRAPH_SLOTS, (2, max_rows), torch.long)
         self._graph_vectors[0].fill_(scratch)
         self._graph_vectors[1].fill_(0)
+        # A decode graph's rows are one token each, whichever sequences fill them.
+        workspace.reserve(_GRAPH_QUERY_START, max_rows + 1, torch.int32)
+        self._graph_query_start = workspace.get(_GRAPH_QUERY_START, (max_rows + 1,), torch.int32)
+        self._graph_query_start.copy_(torch.arange(max_rows + 1, dtype=torch.int32))
 
     def capture_metadata(self, num_rows: int) -> RecurrentMetadata:
         slots, has_state = self._graph_vectors[:, :num_rows]
@@ -161,6 +166,7 @@ class RecurrentStateProvider(StateProvider, StepBinder):
             has_state=(False,) * num_rows,
             slots=slots,
             has_state_tensor=has_state != 0,  # computed inside the capture: replayed each step
+            query_start=self._graph_query_start[: num_rows + 1],
         )
 
     def prepare_replay(self, layout: BatchLayout, num_rows: int) -> None:
@@ -174,3 +180,4 @@ class RecurrentStateProvider(StateProvider, StepBinder):
 
 
 _GRAPH_SLOTS = "recurrent.graph.slots_and_has_state"
+_GRAPH_QUERY_START = "recurrent.graph.query_start"

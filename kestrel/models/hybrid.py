@@ -27,6 +27,7 @@ from kestrel.layers.gated_delta import (
     l2_normalize,
     recurrent_gated_delta,
 )
+from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_varlen
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice, copy_into
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import RMSNorm
@@ -188,9 +189,38 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
-        linear, tokens = self.linear, hidden.shape[0]
         mixed, gate, b, a = self.in_proj.split(self.in_proj(hidden))
         state, meta = context.recurrent_state(self.state_index)
+        mix = self.mix_with_kernels if hidden.is_cuda else self.mix_with_torch
+        out = mix(mixed, a, b, state, meta)
+        out = self.norm(out, gate.reshape(out.shape))
+        return self.out_proj(out.reshape(hidden.shape[0], self.linear.value_size))
+
+    def mix_with_kernels(
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state: RecurrentLayerState, meta: RecurrentMetadata
+    ) -> torch.Tensor:
+        """Convolution and recurrence over the whole step in two Triton launches
+        (gated_delta_kernels.py). Returns [tokens, value heads, value_dim] in mixed's dtype."""
+        weight = self.conv1d.weight[:, 0, :]
+        convolved = causal_conv_varlen(mixed, state.conv, weight, meta.query_start, meta.slots, meta.has_state_tensor)
+        return gated_delta_varlen(
+            convolved,
+            a,
+            b,
+            self.A_log,
+            self.dt_bias,
+            state.recurrent,
+            meta.query_start,
+            meta.slots,
+            meta.has_state_tensor,
+            self.linear.num_key_heads,
+        )
+
+    def mix_with_torch(
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state: RecurrentLayerState, meta: RecurrentMetadata
+    ) -> torch.Tensor:
+        """The reference (and CPU) path: torch ops, decodes batched, each prefill on its own."""
+        linear, tokens = self.linear, mixed.shape[0]
         mixed = self._convolve(mixed, state, meta)
         query, key, value = mixed.split((linear.key_size, linear.key_size, linear.value_size), dim=-1)
         group = linear.num_value_heads // linear.num_key_heads
@@ -200,9 +230,7 @@ class GatedDeltaNet(nn.Module):
         value = value.float().view(tokens, linear.num_value_heads, -1)
         beta = b.float().sigmoid()
         log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = self._delta(query, key, value, log_decay, beta, state, meta).to(hidden.dtype)
-        out = self.norm(out, gate.reshape(out.shape))
-        return self.out_proj(out.reshape(tokens, linear.value_size))
+        return self._delta(query, key, value, log_decay, beta, state, meta).to(mixed.dtype)
 
     def _convolve(self, mixed: torch.Tensor, state: RecurrentLayerState, meta: RecurrentMetadata) -> torch.Tensor:
         weight = self.conv1d.weight[:, 0, :]

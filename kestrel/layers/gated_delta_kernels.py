@@ -1,0 +1,237 @@
+"""The gated delta rule's Triton kernels: the causal convolution and the recurrence over a
+whole step's sequences (prefill chunks and decodes alike), each one launch.
+
+`kestrel/layers/gated_delta.py` holds the torch reference and the formulas. Here the
+recurrence runs token by token inside one program per (sequence, value head, block of value
+columns), its state tile kept in registers from the first token of the chunk to the last:
+no per-sequence launches and no state round trips between tokens. The query/key L2 norm,
+the decay (softplus gating) and beta are computed in the kernel from the projection's raw
+outputs, so nothing between the convolution and the recurrence runs in torch.
+
+Both kernels find each sequence's rows through `query_start` on the device and read nothing
+back to the host, so a decode step can be captured in a CUDA graph.
+
+flash-linear-attention (fla-core) carries chunked kernels for the same rule, but they
+autotune at call time and cannot run under Triton's interpreter, where CI checks every
+kernel against the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def causal_conv_kernel(
+    x_ptr,
+    stride_x,
+    out_ptr,
+    stride_out,
+    prior_ptr,
+    stride_prior_slot,
+    weight_ptr,
+    query_start_ptr,
+    slots_ptr,
+    has_state_ptr,
+    channels,
+    WIDTH: tl.constexpr,
+    WIDTH_POW2: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One sequence's rows for a block of channels: out = silu(conv(prior ++ x)), then the
+    prior becomes the last WIDTH inputs. prior [slots, channels, WIDTH]; weight [channels,
+    WIDTH + 1]. The program owns its (slot, channels), so it may overwrite what it read."""
+    seq = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_c = offs_c < channels
+    start = tl.load(query_start_ptr + seq)
+    length = tl.load(query_start_ptr + seq + 1) - start
+    keep = tl.load(has_state_ptr + seq) != 0
+    prior = prior_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_prior_slot + offs_c * WIDTH
+    for i in range(0, length):
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for j in tl.static_range(WIDTH + 1):
+            source = i - WIDTH + j  # the input tap j reads: a row of x, or one the prior kept
+            row = (start + source).to(tl.int64)
+            from_x = tl.load(x_ptr + row * stride_x + offs_c, mask=in_c & (source >= 0), other=0.0)
+            from_prior = tl.load(prior + WIDTH + source, mask=in_c & (source < 0) & keep, other=0.0)
+            tap = tl.load(weight_ptr + offs_c * (WIDTH + 1) + j, mask=in_c, other=0.0)
+            acc += (from_x.to(tl.float32) + from_prior.to(tl.float32)) * tap.to(tl.float32)
+        out = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + (start + i).to(tl.int64) * stride_out + offs_c, out.to(out_ptr.dtype.element_ty), mask=in_c)
+    # The prior becomes the last WIDTH inputs of (prior ++ x): all read, then all written.
+    taps = tl.arange(0, WIDTH_POW2)
+    source = length - WIDTH + taps
+    rows = (start + source).to(tl.int64)
+    in_tap = in_c[:, None] & (taps < WIDTH)[None, :]
+    from_x = tl.load(
+        x_ptr + rows[None, :] * stride_x + offs_c[:, None], mask=in_tap & (source >= 0)[None, :], other=0.0
+    )
+    old = prior[:, None] + WIDTH + source[None, :]
+    from_prior = tl.load(old, mask=in_tap & (source < 0)[None, :] & keep, other=0.0)
+    kept = from_x.to(tl.float32) + from_prior.to(tl.float32)
+    tl.debug_barrier()  # no thread overwrites a prior value another has still to read
+    tl.store(prior[:, None] + taps[None, :], kept.to(prior_ptr.dtype.element_ty), mask=in_tap)
+
+
+def causal_conv_varlen(
+    x: torch.Tensor,
+    prior: torch.Tensor,
+    weight: torch.Tensor,
+    query_start: torch.Tensor,
+    slots: torch.Tensor,
+    has_state: torch.Tensor,
+) -> torch.Tensor:
+    """Every sequence of a step through the depthwise causal convolution and SiLU.
+
+    x [tokens, channels] (rows of sequence i: query_start[i] to query_start[i + 1]); prior
+    [slots, channels, width], updated in place; weight [channels, width + 1]. Sequences
+    whose has_state is false start from zero inputs."""
+    tokens, channels = x.shape
+    width = prior.shape[-1]
+    out = torch.empty_like(x)
+    block_c = min(256, triton.next_power_of_2(channels))
+    grid = (slots.numel(), triton.cdiv(channels, block_c))
+    causal_conv_kernel[grid](
+        x,
+        x.stride(0),
+        out,
+        out.stride(0),
+        prior,
+        prior.stride(0),
+        weight,
+        query_start,
+        slots,
+        has_state,
+        channels,
+        WIDTH=width,
+        WIDTH_POW2=triton.next_power_of_2(width),
+        BLOCK_C=block_c,
+    )
+    return out
+
+
+@triton.jit
+def gated_delta_kernel(
+    mixed_ptr,
+    stride_mixed,
+    a_ptr,
+    b_ptr,
+    stride_gates,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    stride_state_slot,
+    out_ptr,
+    stride_out,
+    query_start_ptr,
+    slots_ptr,
+    has_state_ptr,
+    scale,
+    NUM_KEY_HEADS: tl.constexpr,
+    NUM_VALUE_HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One (sequence, value head, block of value columns): the recurrence over the
+    sequence's rows. mixed rows are the convolution's output [q | k | v] over all heads;
+    state [slots, value heads, KEY_DIM, VALUE_DIM] in float32."""
+    seq = tl.program_id(1) // NUM_VALUE_HEADS
+    head = tl.program_id(1) % NUM_VALUE_HEADS
+    key_head = head // (NUM_VALUE_HEADS // NUM_KEY_HEADS)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_k, in_v = offs_k < KEY_DIM, offs_v < VALUE_DIM
+    start = tl.load(query_start_ptr + seq)
+    end = tl.load(query_start_ptr + seq + 1)
+    keep = tl.load(has_state_ptr + seq) != 0
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    tile = (
+        state_ptr
+        + slot * stride_state_slot
+        + head * KEY_DIM * VALUE_DIM
+        + offs_k[:, None] * VALUE_DIM
+        + offs_v[None, :]
+    )
+    in_tile = in_k[:, None] & in_v[None, :]
+    state = tl.load(tile, mask=in_tile & keep, other=0.0)  # a fresh sequence starts from zero
+    decay_rate = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    q_offset = key_head * KEY_DIM
+    k_offset = NUM_KEY_HEADS * KEY_DIM + key_head * KEY_DIM
+    v_offset = 2 * NUM_KEY_HEADS * KEY_DIM + head * VALUE_DIM
+    for t in range(start, end):
+        row = mixed_ptr + t * stride_mixed
+        q = tl.load(row + q_offset + offs_k, mask=in_k, other=0.0).to(tl.float32)
+        k = tl.load(row + k_offset + offs_k, mask=in_k, other=0.0).to(tl.float32)
+        v = tl.load(row + v_offset + offs_v, mask=in_v, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        gates = t * stride_gates + head
+        a = tl.load(a_ptr + gates).to(tl.float32) + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        beta = tl.sigmoid(tl.load(b_ptr + gates).to(tl.float32))
+        state = state * tl.exp(decay_rate * softplus)
+        delta = beta * (v - tl.sum(state * k[:, None], axis=0))
+        state = state + k[:, None] * delta[None, :]
+        out = tl.sum(state * q[:, None], axis=0)
+        tl.store(
+            out_ptr + t * stride_out + head * VALUE_DIM + offs_v,
+            out.to(out_ptr.dtype.element_ty),
+            mask=in_v,
+        )
+    tl.store(tile, state, mask=in_tile)
+
+
+def gated_delta_varlen(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    query_start: torch.Tensor,
+    slots: torch.Tensor,
+    has_state: torch.Tensor,
+    num_key_heads: int,
+) -> torch.Tensor:
+    """Every sequence of a step through the gated delta rule.
+
+    mixed [tokens, q | k | v] after the convolution (q, k per key head, v per value head);
+    a, b [tokens, value heads] the raw gate projections; a_log, dt_bias [value heads];
+    state [slots, value heads, key_dim, value_dim] float32, updated in place. Returns the
+    output [tokens, value heads, value_dim] in mixed's dtype."""
+    num_value_heads, key_dim, value_dim = state.shape[1:]
+    if a.stride(0) != b.stride(0):
+        raise ValueError("a and b must share a row stride (views of one projection's output)")
+    out = torch.empty((mixed.shape[0], num_value_heads, value_dim), dtype=mixed.dtype, device=mixed.device)
+    block_v = min(32, triton.next_power_of_2(value_dim))
+    grid = (triton.cdiv(value_dim, block_v), slots.numel() * num_value_heads)
+    gated_delta_kernel[grid](
+        mixed,
+        mixed.stride(0),
+        a,
+        b,
+        a.stride(0),
+        a_log,
+        dt_bias,
+        state,
+        state.stride(0),
+        out,
+        out.stride(0),
+        query_start,
+        slots,
+        has_state,
+        key_dim**-0.5,
+        NUM_KEY_HEADS=num_key_heads,
+        NUM_VALUE_HEADS=num_value_heads,
+        KEY_DIM=key_dim,
+        VALUE_DIM=value_dim,
+        BLOCK_K=triton.next_power_of_2(key_dim),
+        BLOCK_V=block_v,
+    )
+    return out

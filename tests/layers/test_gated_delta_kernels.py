@@ -1,0 +1,156 @@
+"""The gated delta rule's Triton kernels against the torch reference (gated_delta.py): random
+sequence lengths in one step, some sequences carrying state and some starting fresh, slots
+out of order, float32 and bf16."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kestrel.layers.gated_delta import causal_conv, chunked_gated_delta, l2_normalize
+from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_varlen
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)",
+)
+
+STEPS = {
+    "decodes": [1, 1, 1],
+    "prefills": [5, 17],
+    "mixed": [1, 1, 9, 3],
+}
+
+
+def _step(lengths: list[int], num_slots: int, seed: int):
+    """query_start, slots (a permutation: sequences do not sit in slot order), has_state."""
+    generator = torch.Generator().manual_seed(seed)
+    query_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.randperm(num_slots, generator=generator)[: len(lengths)]
+    has_state = torch.tensor([index % 3 != 1 for index in range(len(lengths))])
+    return query_start, slots, has_state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_convolution_kernel_matches_the_reference(step, dtype):
+    lengths = STEPS[step]
+    channels, width, num_slots = 40, 3, 6
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(lengths), channels, generator=generator).to(dtype)
+    prior = torch.randn(num_slots, channels, width, generator=generator).to(dtype)
+    weight = torch.randn(channels, width + 1, generator=generator).to(dtype)
+    query_start, slots, has_state = _step(lengths, num_slots, 1)
+
+    expected_prior = prior.clone()
+    expected = torch.empty_like(x)
+    for index, slot in enumerate(slots.tolist()):
+        rows = slice(query_start[index], query_start[index + 1])
+        start = prior[slot] if has_state[index] else torch.zeros_like(prior[slot])
+        expected[rows], expected_prior[slot] = causal_conv(x[rows], start.float(), weight.float())
+
+    on = {name: t.to(DEVICE) for name, t in dict(x=x, prior=prior.clone(), weight=weight).items()}
+    got = causal_conv_varlen(
+        on["x"], on["prior"], on["weight"], query_start.to(DEVICE), slots.to(DEVICE), has_state.to(DEVICE)
+    )
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance)
+    torch.testing.assert_close(on["prior"].cpu(), expected_prior.to(dtype), **tolerance)
+
+
+def _reference_delta(mixed, a, b, a_log, dt_bias, state, query_start, slots, has_state, key_heads):
+    """GatedDeltaNet's torch path: norms, gates and the chunked rule, one sequence at a time."""
+    value_heads, key_dim, value_dim = state.shape[1:]
+    tokens = mixed.shape[0]
+    q, k, v = mixed.float().split((key_heads * key_dim, key_heads * key_dim, value_heads * value_dim), dim=-1)
+    group = value_heads // key_heads
+    q = (l2_normalize(q.view(tokens, key_heads, key_dim)) * key_dim**-0.5).repeat_interleave(group, dim=1)
+    k = l2_normalize(k.view(tokens, key_heads, key_dim)).repeat_interleave(group, dim=1)
+    v = v.view(tokens, value_heads, value_dim)
+    log_decay = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = b.float().sigmoid()
+    out = torch.empty(tokens, value_heads, value_dim)
+    state = state.clone()
+    for index, slot in enumerate(slots.tolist()):
+        rows = slice(query_start[index], query_start[index + 1])
+        start = state[slot] if has_state[index] else torch.zeros_like(state[slot])
+        out[rows], state[slot] = chunked_gated_delta(q[rows], k[rows], v[rows], log_decay[rows], beta[rows], start)
+    return out, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("key_heads, value_heads, key_dim, value_dim", [(2, 4, 16, 16), (1, 1, 8, 40)])
+def test_delta_kernel_matches_the_reference(step, dtype, key_heads, value_heads, key_dim, value_dim):
+    lengths = STEPS[step]
+    num_slots, tokens = 6, sum(lengths)
+    generator = torch.Generator().manual_seed(3)
+    width = 2 * key_heads * key_dim + value_heads * value_dim
+    mixed = torch.randn(tokens, width, generator=generator).to(dtype)
+    # a and b as views of one projection's output, as the layer hands them over.
+    gates = torch.randn(tokens, 2 * value_heads + 3, generator=generator).to(dtype)
+    b, a = gates[:, :value_heads], gates[:, value_heads : 2 * value_heads]
+    a_log = torch.randn(value_heads, generator=generator) * 0.5
+    dt_bias = torch.randn(value_heads, generator=generator)
+    state = torch.randn(num_slots, value_heads, key_dim, value_dim, generator=generator)
+    query_start, slots, has_state = _step(lengths, num_slots, 2)
+
+    expected, expected_state = _reference_delta(
+        mixed, a, b, a_log, dt_bias, state, query_start, slots, has_state, key_heads
+    )
+    device_state, device_gates = state.to(DEVICE), gates.to(DEVICE)
+    got = gated_delta_varlen(
+        mixed.to(DEVICE),
+        device_gates[:, value_heads : 2 * value_heads],
+        device_gates[:, :value_heads],
+        a_log.to(DEVICE),
+        dt_bias.to(DEVICE),
+        device_state,
+        query_start.to(DEVICE),
+        slots.to(DEVICE),
+        has_state.to(DEVICE),
+        key_heads,
+    )
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float().cpu(), expected.to(dtype).float(), **tolerance)
+    # The state stays float32 whatever the activations: it must track the reference closely.
+    torch.testing.assert_close(device_state.cpu(), expected_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family):
+    """One loaded DeltaNet layer, a step of two decodes (one fresh) and two prefills (one
+    continuing its state): both paths give the same output and leave the same state."""
+    from kestrel import LLM
+    from kestrel.core.batch import BatchLayout, SequenceChunk
+    from kestrel.core.recurrent_state import RECURRENT_GROUP
+    from kestrel.models.hybrid import GatedDeltaNet
+
+    parts = LLM(str(checkpoint_dir(family)), page_size=8, max_num_seqs=4).engine.parts
+    layer = next(m for m in parts.runner.model.modules() if isinstance(m, GatedDeltaNet)).to(DEVICE)
+    provider = parts.recurrent
+    provider.device = torch.device(DEVICE)
+    chunks = [
+        SequenceChunk(query_len, cached, (), {RECURRENT_GROUP: (slot,)})
+        for query_len, cached, slot in [(1, 5, 2), (1, 0, 0), (7, 0, 3), (4, 9, 1)]
+    ]
+    meta = provider.bind(BatchLayout(tuple(chunks), 2, 8))
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(13, parts.spec.hidden_size, generator=generator).to(DEVICE)
+    mixed, _, b, a = layer.in_proj.split(layer.in_proj(hidden))
+    states = {}
+    for path in ("kernels", "torch"):
+        torch.manual_seed(9)  # both start from the same (random) slot contents
+        state = provider.layer(layer.state_index)
+        state = type(state)(torch.randn_like(state.conv).to(DEVICE), torch.randn_like(state.recurrent).to(DEVICE))
+        mix = layer.mix_with_kernels if path == "kernels" else layer.mix_with_torch
+        states[path] = (mix(mixed, a, b, state, meta), state)
+    (out, state), (expected, expected_state) = states["kernels"], states["torch"]
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    used = [0, 1, 2, 3]
+    torch.testing.assert_close(state.conv[used], expected_state.conv[used], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.recurrent[used], expected_state.recurrent[used], atol=1e-4, rtol=1e-4)
