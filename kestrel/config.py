@@ -29,6 +29,12 @@ class EngineArgs:
     revision: str | None = None  # a Hugging Face model id's branch, tag or commit
     enforce_eager: bool = False  # never capture CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
+    # Hybrid models (linear-attention layers): their cached prefixes end where a copy of the
+    # recurrent state was kept. Prefill chunks stop at every multiple of this many tokens
+    # (a multiple of page_size) and the state there is kept, up to this many copies (None:
+    # one per max_num_seqs). Each copy is one request's whole recurrent state.
+    state_snapshot_interval: int = 512
+    num_state_snapshots: int | None = None
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
     distributed_executor_backend: str = "mp"  # "mp" (processes on this host) | "ray"
     # Plan and launch step N+1 before reading step N's samples, so host work overlaps the
@@ -48,6 +54,15 @@ class EngineArgs:
             ),
             (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
             (self.page_size >= 1, f"page_size must be at least 1, got {self.page_size}"),
+            (
+                self.state_snapshot_interval >= 1 and self.state_snapshot_interval % max(self.page_size, 1) == 0,
+                f"state_snapshot_interval must be a positive multiple of page_size ({self.page_size}), "
+                f"got {self.state_snapshot_interval}",
+            ),
+            (
+                self.num_state_snapshots is None or self.num_state_snapshots >= 0,
+                f"num_state_snapshots must be at least 0, got {self.num_state_snapshots}",
+            ),
             (
                 self.max_model_len is None or self.max_model_len >= 1,
                 f"max_model_len must be at least 1, got {self.max_model_len}",

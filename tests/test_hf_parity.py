@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kestrel import LLM, SamplingParams
-from tests.checkpoints import FAMILIES
+from tests.checkpoints import FAMILIES, HYBRID_FAMILIES
 
 PROMPT_LENGTHS = (1, 7, 33, 120, 200)
 NEW_TOKENS = 32
@@ -78,3 +78,37 @@ def test_prompt_logprobs_match_hf(checkpoint_dir):
         assert entry[token].logprob == pytest.approx(float(reference[position - 1, token]), abs=1e-4)
         top = reference[position - 1].topk(2).indices.tolist()
         assert set(top) <= set(entry)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_hybrid_greedy_matches_hf_from_a_warm_prefix_cache(family, device, checkpoint_dir):
+    """Prompts that share a 70-token prefix, run cold and then again from the cache: a hybrid
+    model's cached prefix starts from a snapshot of its recurrent state, and both passes give
+    HF's tokens."""
+    path = checkpoint_dir(family)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 500, (70,), generator=generator).tolist()
+    prompts = [shared + torch.randint(0, 500, (n,), generator=generator).tolist() for n in (1, 9, 40)]
+    llm = LLM(
+        str(path),
+        max_num_batched_tokens=64,
+        page_size=16,
+        state_snapshot_interval=32,
+        dtype="float32",
+        device=device,
+        kv_cache_memory_gb=0.25,
+    )
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [hf_greedy(hf, prompt)[0] for prompt in prompts]
+    for run in ("cold", "warm"):
+        before = llm.engine.stats().prefix_cache_hits
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, run
+        hits = llm.engine.stats().prefix_cache_hits - before
+        # Warm, each prompt starts after the deepest kept state in its prefix: 64 of the 70
+        # shared tokens, or 96 where a longer prompt of the cold pass kept one further on.
+        assert hits >= (3 * 64 if run == "warm" else 0), run
+    assert llm.engine.parts.kv.prefix_cache.num_snapshots > 0

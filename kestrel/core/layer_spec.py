@@ -34,6 +34,7 @@ class PoolBudget:
     device: torch.device
     enable_prefix_caching: bool = False
     kv_layout: KVLayout | None = None
+    num_snapshots: int = 0  # copies of a fixed-size state the prefix cache may keep
 
 
 class StateGroupSpec(Protocol):
@@ -78,7 +79,7 @@ class RecurrentGroup:
         return self.recurrent.bytes_per_slot()
 
     def build(self, budget: PoolBudget) -> RecurrentStateProvider:
-        return RecurrentStateProvider(self.recurrent, budget.max_num_seqs, budget.device)
+        return RecurrentStateProvider(self.recurrent, budget.max_num_seqs, budget.device, budget.num_snapshots)
 
 
 @dataclass(frozen=True)

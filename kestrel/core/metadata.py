@@ -46,13 +46,21 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class RecurrentMetadata:
     """Where each sequence of a step keeps its linear-attention state, in layout order
-    (decodes first). A sequence with no cached tokens starts from zero state, whatever its
-    slot held before."""
+    (decodes first).
+
+    A sequence reads its starting state from its read slot (its own slot, or a prefix-cache
+    snapshot it starts from) and leaves its final state in its slot and in its save slot (its
+    own slot again, or a snapshot the prefix cache keeps). A sequence with no cached tokens
+    starts from zero state, whatever its slot held before."""
 
     num_decodes: int
     query_start_loc: tuple[int, ...]  # token row where each sequence starts, plus the end
     slot_ids: tuple[int, ...]
+    read_ids: tuple[int, ...]
+    save_ids: tuple[int, ...]
     has_state: tuple[bool, ...]
-    slots: torch.Tensor  # [num_seqs], the slot ids on the device
+    slots: torch.Tensor  # [num_seqs] on the device, as the three rows below
+    read_slots: torch.Tensor
+    save_slots: torch.Tensor
     has_state_tensor: torch.Tensor  # [num_seqs] bool
     query_start: torch.Tensor  # [num_seqs + 1] int32 on the device: query_start_loc, for kernels

@@ -58,6 +58,9 @@ class PlannerConfig:
     # Pages reserved past each scheduled chunk, for tokens a step may add beyond the ones it
     # computes (a verify row's draft tokens, written in the next step).
     num_lookahead_tokens: int = 0
+    # Chunks never cross a multiple of this many tokens (0: no such stops): a hybrid model's
+    # prefix cache keeps the recurrent state at each, and only a chunk's end leaves it there.
+    snapshot_interval: int = 0
 
 
 class Planner(Protocol):
@@ -75,7 +78,10 @@ class FcfsPlanner:
         self.config = config
 
     def plan(self, queue: QueueState, capacity: Capacity) -> StepPlan:
-        step = _StepBuilder(self.config.max_num_batched_tokens, capacity, self.config.num_lookahead_tokens)
+        config = self.config
+        step = _StepBuilder(
+            config.max_num_batched_tokens, capacity, config.num_lookahead_tokens, config.snapshot_interval
+        )
         step.schedule_running(list(queue.running))
         if not step.preempted:
             # After a preemption the pool is tight; admitting more would only thrash.
@@ -90,15 +96,23 @@ class FcfsPlanner:
 class _StepBuilder:
     """Mutable bookkeeping while one plan is built; never escapes `plan`."""
 
-    def __init__(self, token_budget: int, capacity: Capacity, lookahead: int = 0) -> None:
+    def __init__(self, token_budget: int, capacity: Capacity, lookahead: int = 0, stop_every: int = 0) -> None:
         self.token_budget = token_budget
         self.lookahead = lookahead
+        self.stop_every = stop_every
         self.free_pages = capacity.free_pages
         self.page_size = capacity.page_size
         self.scheduled: list[ScheduledChunk] = []
         self.preempted: list[str] = []
         self.admitted: list[str] = []
         self.num_running = 0
+
+    def _chunk_size(self, request: RequestView) -> int:
+        """Its remaining tokens, within the step's budget and up to the next stop."""
+        size = min(request.num_tokens - request.num_computed_tokens, self.token_budget)
+        if self.stop_every:
+            size = min(size, self.stop_every - request.num_computed_tokens % self.stop_every)
+        return size
 
     def _new_pages(self, request: RequestView, num_new_tokens: int) -> int:
         total = pages_for(request.num_computed_tokens + num_new_tokens + self.lookahead, self.page_size)
@@ -114,7 +128,7 @@ class _StepBuilder:
         index = 0
         while index < len(running) and self.token_budget > 0:
             request = running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.token_budget)
+            num_new = self._chunk_size(request)
             new_pages = self._new_pages(request, num_new)
             while new_pages > self.free_pages:
                 victim = running.pop()  # the newest running request gives way
@@ -131,7 +145,7 @@ class _StepBuilder:
         for request in waiting:
             if self.num_running >= max_num_seqs or self.token_budget <= 0:
                 return
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.token_budget)
+            num_new = self._chunk_size(request)
             new_pages = self._new_pages(request, num_new)
             # Leave a page of headroom per running request: without it a request preempted
             # for room is readmitted into the pages it just gave back, and preempted again as

@@ -9,6 +9,11 @@ a scan: with tens of thousands of cached pages, a scan per new page cost millise
 decode step. The heap is lazy: an entry whose node was touched since it was pushed goes back
 with its new time when popped; an entry whose page the allocator still uses is dropped, and
 the allocator offers the page again (`offer`) once no request holds it.
+
+A hybrid model's cached prefix is only usable with the recurrent state after it, so a node
+may also hold a snapshot: the id of a copy of that state after the node's last token (the
+recurrent provider owns the copies). `match_snapshot` finds the deepest node that holds one;
+removing a node hands its snapshot to `on_snapshot_dropped`.
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ class _Node:
     key: tuple[int, ...]
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_used: int = 0
+    depth: int = 0  # pages from the root: of two as recent, the deeper goes first
+    snapshot: int | None = None  # the recurrent state after this node's tokens, if kept
 
 
 class PrefixCache:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, on_snapshot_dropped: Callable[[int], None] | None = None) -> None:
         self.page_size = page_size
+        self.on_snapshot_dropped = on_snapshot_dropped
         self._root = _Node(page=-1, parent=None, key=())
         self._by_page: dict[int, _Node] = {}
+        self._by_snapshot: dict[int, _Node] = {}
         self._clock = 0
-        self._candidates: list[tuple[int, int]] = []  # heap of (last_used when pushed, page)
+        # heap of (last_used when pushed, -depth, page)
+        self._candidates: list[tuple[int, int, int]] = []
 
     def __contains__(self, page: int) -> bool:
         return page in self._by_page
@@ -58,6 +68,54 @@ class PrefixCache:
             pages.append(node.page)
         return pages
 
+    def match_snapshot(self, tokens: Sequence[int], max_pages: int) -> tuple[list[int], int | None]:
+        """Pages of the longest cached prefix of `tokens` (at most `max_pages`) that ends at a
+        node holding a snapshot, and that snapshot; ([], None) where none does."""
+        pages = self.match(tokens)[:max_pages]
+        node, deepest = self._root, (0, None)
+        for depth, page in enumerate(pages, start=1):
+            node = self._by_page[page]
+            if node.snapshot is not None:
+                deepest = (depth, node.snapshot)
+        depth, snapshot = deepest
+        return pages[:depth], snapshot
+
+    def snapshot_wanted(self, tokens: Sequence[int]) -> bool:
+        """Whether the node of `tokens` (whole pages) exists and holds no snapshot yet."""
+        node = self._node_of(tokens)
+        return node is not None and node.snapshot is None
+
+    def attach_snapshot(self, tokens: Sequence[int], snapshot: int) -> None:
+        """Keep `snapshot` (the state after `tokens`) on their node; `snapshot_wanted` first."""
+        node = self._node_of(tokens)
+        if node is None or node.snapshot is not None:
+            raise ValueError("no node without a snapshot for these tokens")
+        node.snapshot = snapshot
+        self._by_snapshot[snapshot] = node
+
+    def evict_snapshot(self, evictable: Callable[[int], bool]) -> int | None:
+        """Take the least recently used snapshot whose page `evictable` allows off its node
+        (the node's KV stays cached); return it, or None."""
+        candidates = [node for node in self._by_snapshot.values() if evictable(node.page)]
+        if not candidates:
+            return None
+        node = min(candidates, key=lambda n: n.last_used)
+        snapshot, node.snapshot = node.snapshot, None
+        del self._by_snapshot[snapshot]
+        return snapshot
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._by_snapshot)
+
+    def _node_of(self, tokens: Sequence[int]) -> _Node | None:
+        node = self._root
+        for key in self._keys(tokens):
+            node = node.children.get(key)
+            if node is None:
+                return None
+        return None if node is self._root else node
+
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Remember that `pages` hold the full pages of `tokens`. Where a page of the same
         tokens is cached already, the cached one stays and the new one is not recorded."""
@@ -68,10 +126,10 @@ class PrefixCache:
             if child is None:
                 if page in self._by_page:
                     return  # the page already spells another prefix: stop rather than alias it
-                child = _Node(page=page, parent=node, key=key)
+                child = _Node(page, node, key, last_used=self._clock, depth=node.depth + 1)
                 node.children[key] = child
                 self._by_page[page] = child
-                heapq.heappush(self._candidates, (self._clock, page))
+                self._push(child)
             child.last_used = self._clock
             node = child
 
@@ -79,36 +137,57 @@ class PrefixCache:
         """Make a cached page an eviction candidate again: no request holds it any more."""
         node = self._by_page.get(page)
         if node is not None:
-            heapq.heappush(self._candidates, (node.last_used, page))
+            self._push(node)
             self._compact_if_bloated()
 
-    def evict(self, evictable: Callable[[int], bool]) -> int | None:
-        """Drop the least recently used leaf whose page `evictable` allows; return its page.
+    def evict(self, evictable: Callable[[int], bool]) -> list[int]:
+        """Drop the least recently used node whose page `evictable` allows; return the pages
+        that leave the cache and no request holds (free from now on), [] when none can go.
 
+        A leaf goes alone. An inner node goes only while a request holds a page below it (a
+        request that did not share that node's page computed its own copy of it, and cached
+        pages of its own below): it could not become a leaf, so it goes with everything
+        below it, and the held pages stay with their requests, uncached.
         Candidates that `evictable` refuses leave the heap until they are offered again.
         """
         while self._candidates:
-            pushed_at, page = heapq.heappop(self._candidates)
+            pushed_at, _, page = heapq.heappop(self._candidates)
             node = self._by_page.get(page)
-            if node is None or node.children or not evictable(page):
-                continue  # gone, an inner node (it is pushed again when it becomes a leaf), or in use
+            if node is None or not evictable(page):
+                continue  # gone, or in use
             if node.last_used != pushed_at:
-                heapq.heappush(self._candidates, (node.last_used, page))  # touched since: requeue
+                self._push(node)  # touched since: requeue
                 continue
-            self._remove(node)
-            return page
-        return None
+            below = list(self._below(node))
+            if below and all(evictable(n.page) for n in below):
+                continue  # its leaves go first; it is pushed again when it becomes one
+            self._remove(node, below)
+            return [n.page for n in (node, *below) if evictable(n.page)]
+        return []
 
-    def _remove(self, node: _Node) -> None:
+    def _below(self, node: _Node):
+        for child in node.children.values():
+            yield child
+            yield from self._below(child)
+
+    def _remove(self, node: _Node, below: list[_Node] = ()) -> None:
         parent = node.parent
         del parent.children[node.key]
-        del self._by_page[node.page]
+        for gone in (node, *below):
+            del self._by_page[gone.page]
+            if gone.snapshot is not None:
+                del self._by_snapshot[gone.snapshot]
+                if self.on_snapshot_dropped is not None:
+                    self.on_snapshot_dropped(gone.snapshot)
         if parent is not self._root and not parent.children:
-            heapq.heappush(self._candidates, (parent.last_used, parent.page))
+            self._push(parent)
 
     def _compact_if_bloated(self) -> None:
         # Offers of shared pages can push one page many times; rebuild from the leaves when
         # stale entries outnumber live pages.
         if len(self._candidates) > 4 * len(self._by_page) + 1024:
-            self._candidates = [(n.last_used, p) for p, n in self._by_page.items() if not n.children]
+            self._candidates = [(n.last_used, -n.depth, p) for p, n in self._by_page.items() if not n.children]
             heapq.heapify(self._candidates)
+
+    def _push(self, node: _Node) -> None:
+        heapq.heappush(self._candidates, (node.last_used, -node.depth, node.page))

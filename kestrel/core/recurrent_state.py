@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kestrel.core.batch import BatchLayout, to_device, values_to_device
+from kestrel.core.batch import BatchLayout, to_device
 from kestrel.core.binder import StepBinder
 from kestrel.core.metadata import RecurrentMetadata
 from kestrel.core.state import OutOfPagesError, StateProvider
@@ -47,17 +47,22 @@ class RecurrentLayerState:
 
 
 class RecurrentStateProvider(StateProvider, StepBinder):
-    """One slot per running request, holding every linear-attention layer's state.
+    """One slot per running request, holding every linear-attention layer's state, and a pool
+    of snapshots: copies of a state at a page boundary that the prefix cache keeps.
 
     A slot's size does not grow with the sequence, so `reserve` hands out one slot whatever
     the token count. Slots are not zeroed on reuse: a sequence that starts from its first
     token starts from zero state by itself (see `RecurrentMetadata.has_state`).
+
+    A request's ids in a step are (slot, read from, save to): it starts from a snapshot in
+    the step after `restore`, and leaves its state in a snapshot too where `save_to` says so.
+    The kernels do both as they read and write the slot: no copies.
     """
 
     supports_graphs = True
     group = RECURRENT_GROUP
 
-    def __init__(self, spec: RecurrentStateSpec, num_slots: int, device: torch.device) -> None:
+    def __init__(self, spec: RecurrentStateSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"the recurrent state pool needs at least one slot, got {num_slots}")
         self.spec = spec
@@ -67,12 +72,17 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         self._free = list(range(num_slots - 1, -1, -1))
         self._owned: dict[str, int] = {}
         self._num_tokens: dict[str, int] = {}  # tokens each request's state will reflect
-        slots = num_slots + 1
+        self.num_snapshots = num_snapshots
+        first_snapshot = num_slots + 1
+        self._free_snapshots = list(range(first_snapshot + num_snapshots - 1, first_snapshot - 1, -1))
+        self._released_snapshots: list[int] = []  # free from the next step on
+        self._restore_from: dict[str, int] = {}  # request -> the snapshot its next step starts from
+        units = num_slots + 1 + num_snapshots
         conv = torch.zeros(
-            (spec.num_layers, slots, spec.conv_channels, spec.conv_width), dtype=spec.conv_dtype, device=device
+            (spec.num_layers, units, spec.conv_channels, spec.conv_width), dtype=spec.conv_dtype, device=device
         )
         recurrent = torch.zeros(
-            (spec.num_layers, slots, spec.num_heads, spec.key_dim, spec.value_dim),
+            (spec.num_layers, units, spec.num_heads, spec.key_dim, spec.value_dim),
             dtype=spec.state_dtype,
             device=device,
         )
@@ -82,16 +92,18 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         return self._layers[index]
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """The request's (slot, read from, save to) for its next step."""
         slot = self._owned.get(request_id)
         if slot is None:
             if not self._free:
                 raise OutOfPagesError(f"request {request_id} needs a recurrent state slot but all are taken")
             slot = self._owned[request_id] = self._free.pop()
         self._num_tokens[request_id] = num_tokens
-        return [slot]
+        return [slot, self._restore_from.pop(request_id, slot), slot]
 
     def release(self, request_id: str) -> None:
         self._num_tokens.pop(request_id, None)
+        self._restore_from.pop(request_id, None)
         slot = self._owned.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
@@ -110,6 +122,35 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     def num_used_slots(self) -> int:
         return len(self._owned)
 
+    # ---- snapshots ----------------------------------------------------------------------
+
+    def allocate_snapshot(self) -> int | None:
+        return self._free_snapshots.pop() if self._free_snapshots else None
+
+    def free_snapshot(self, snapshot: int) -> None:
+        """Free from the next step on (`reclaim_snapshots`): a chunk of the step being planned
+        may still save to it, and no other chunk of that step may."""
+        self._released_snapshots.append(snapshot)
+
+    def reclaim_snapshots(self) -> None:
+        """A new step is planned: snapshots freed while planning the last one are free."""
+        self._free_snapshots.extend(self._released_snapshots)
+        self._released_snapshots.clear()
+
+    @property
+    def num_free_snapshots(self) -> int:
+        return len(self._free_snapshots)
+
+    def restore(self, request_id: str, snapshot: int) -> None:
+        """The request's next step starts from `snapshot` rather than from its slot."""
+        self._restore_from[request_id] = snapshot
+
+    @staticmethod
+    def save_to(ids: tuple[int, ...], snapshot: int) -> tuple[int, ...]:
+        """A step's ids (from `reserve`) that also leave the final state in `snapshot`."""
+        slot, read_from, _ = ids
+        return (slot, read_from, snapshot)
+
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """The state folds every token in: it cannot step back, so rolling back at all means
         starting over (0 tokens kept; the sequence recomputes from its start)."""
@@ -125,7 +166,7 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         ]
 
     def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
-        (slot,) = self.reserve(request_id, num_tokens)
+        slot = self.reserve(request_id, num_tokens)[0]
         conv, recurrent = state
         for index, layer in enumerate(self._layers):
             layer.conv[slot].copy_(conv[index])
@@ -135,49 +176,73 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     # ---- the binder of its own per-step metadata -------------------------------------------
 
     def bind(self, layout: BatchLayout) -> RecurrentMetadata:
-        slot_ids = tuple(chunk.ids_in(self.group)[0] for chunk in layout.chunks)
-        has_state = tuple(chunk.num_cached_tokens > 0 for chunk in layout.chunks)
+        vectors = self._step_vectors(layout, len(layout.chunks))
+        return self._metadata(
+            layout.num_decodes,
+            tuple(layout.query_start_loc.tolist()),
+            vectors,
+            to_device(vectors, self.device),
+            to_device(layout.query_start_loc.astype(np.int32), self.device),
+        )
+
+    def _step_vectors(self, layout: BatchLayout, num_rows: int) -> np.ndarray:
+        """[4, num_rows]: slot, read slot, save slot, has state; padded rows step the scratch
+        slot from zero state."""
+        vectors = np.zeros((4, num_rows), dtype=np.int64)
+        vectors[:3] = self.scratch_id
+        count = len(layout.chunks)
+        if count:
+            vectors[:3, :count] = np.array([_step_ids(chunk.ids_in(self.group)) for chunk in layout.chunks]).T
+        vectors[3, :count] = layout.num_cached > 0
+        return vectors
+
+    @staticmethod
+    def _metadata(num_decodes: int, query_start_loc, host, device, query_start) -> RecurrentMetadata:
+        """host and device: [4, sequences] rows of slot, read slot, save slot, has state."""
+        slots, reads, saves, has_state = (tuple(int(v) for v in row) for row in host)
         return RecurrentMetadata(
-            num_decodes=layout.num_decodes,
-            query_start_loc=tuple(layout.query_start_loc.tolist()),
-            slot_ids=slot_ids,
-            has_state=has_state,
-            slots=values_to_device(slot_ids, torch.long, self.device),
-            has_state_tensor=values_to_device(has_state, torch.bool, self.device),
-            query_start=to_device(layout.query_start_loc.astype(np.int32), self.device),
+            num_decodes=num_decodes,
+            query_start_loc=query_start_loc,
+            slot_ids=slots,
+            read_ids=reads,
+            save_ids=saves,
+            has_state=tuple(bool(v) for v in has_state),
+            slots=device[0],
+            read_slots=device[1],
+            save_slots=device[2],
+            has_state_tensor=device[3] != 0,  # inside a capture, recomputed at each replay
+            query_start=query_start,
         )
 
     def prepare_capture(self, workspace: Workspace, scratch: int, max_rows: int, max_pages: int) -> None:
-        workspace.reserve(_GRAPH_SLOTS, 2 * max_rows, torch.long)
-        self._graph_vectors = workspace.get(_GRAPH_SLOTS, (2, max_rows), torch.long)
-        self._graph_vectors[0].fill_(scratch)
-        self._graph_vectors[1].fill_(0)
+        workspace.reserve(_GRAPH_VECTORS, 4 * max_rows, torch.long)
+        self._graph_vectors = workspace.get(_GRAPH_VECTORS, (4, max_rows), torch.long)
+        self._graph_vectors[:3].fill_(scratch)
+        self._graph_vectors[3].fill_(0)
         # A decode graph's rows are one token each, whichever sequences fill them.
         workspace.reserve(_GRAPH_QUERY_START, max_rows + 1, torch.int32)
         self._graph_query_start = workspace.get(_GRAPH_QUERY_START, (max_rows + 1,), torch.int32)
         self._graph_query_start.copy_(torch.arange(max_rows + 1, dtype=torch.int32))
 
     def capture_metadata(self, num_rows: int) -> RecurrentMetadata:
-        slots, has_state = self._graph_vectors[:, :num_rows]
-        return RecurrentMetadata(
-            num_decodes=num_rows,
-            query_start_loc=tuple(range(num_rows + 1)),
-            slot_ids=(self.scratch_id,) * num_rows,
-            has_state=(False,) * num_rows,
-            slots=slots,
-            has_state_tensor=has_state != 0,  # computed inside the capture: replayed each step
-            query_start=self._graph_query_start[: num_rows + 1],
+        host = np.zeros((4, num_rows), dtype=np.int64)
+        host[:3] = self.scratch_id
+        return self._metadata(
+            num_rows,
+            tuple(range(num_rows + 1)),
+            host,
+            self._graph_vectors[:, :num_rows],
+            self._graph_query_start[: num_rows + 1],
         )
 
     def prepare_replay(self, layout: BatchLayout, num_rows: int) -> None:
-        """Padded rows step the scratch slot from zero state."""
-        count = len(layout.chunks)
-        vectors = np.zeros((2, num_rows), dtype=np.int64)
-        vectors[0] = self.scratch_id
-        vectors[0, :count] = [chunk.ids_in(self.group)[0] for chunk in layout.chunks]
-        vectors[1, :count] = layout.num_cached > 0
-        self._graph_vectors[:, :num_rows].copy_(to_device(vectors, self.device))
+        self._graph_vectors[:, :num_rows].copy_(to_device(self._step_vectors(layout, num_rows), self.device))
 
 
-_GRAPH_SLOTS = "recurrent.graph.slots_and_has_state"
+def _step_ids(ids: tuple[int, ...]) -> tuple[int, int, int]:
+    """(slot, read from, save to): a chunk built by hand may name its slot alone."""
+    return (ids[0], ids[0], ids[0]) if len(ids) == 1 else (ids[0], ids[1], ids[2])
+
+
+_GRAPH_VECTORS = "recurrent.graph.slots_reads_saves_has_state"
 _GRAPH_QUERY_START = "recurrent.graph.query_start"

@@ -73,9 +73,7 @@ class PageAllocator:
 
     def _take_free_page(self) -> int:
         if not self._free and self.prefix_cache is not None:
-            page = self.prefix_cache.evict(lambda p: self._refs[p] == 0)
-            if page is not None:
-                return page
+            self._free.extend(reversed(self.prefix_cache.evict(lambda p: self._refs[p] == 0)))
         return self._free.pop()
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
@@ -124,6 +122,10 @@ class PageAllocator:
         keep = self.pages_needed(num_tokens)
         while len(pages) > keep:
             self._drop_ref(pages.pop())
+
+    def is_held(self, page: int) -> bool:
+        """Whether any request holds the page (a cached page no request holds is evictable)."""
+        return self._refs[page] > 0
 
     def pages_of(self, request_id: str) -> list[int]:
         return self._owned.get(request_id, [])

@@ -182,14 +182,29 @@ def split_state_groups(
 
 
 def build_fixed_pools(
-    groups: dict[str, StateGroupSpec], max_num_seqs: int, device: torch.device
+    groups: dict[str, StateGroupSpec], max_num_seqs: int, num_snapshots: int, device: torch.device
 ) -> dict[str, StateProvider]:
-    """One unit per request that may run at once (linear-attention state slots)."""
+    """One unit per request that may run at once (linear-attention state slots), and the
+    copies of those units the prefix cache may keep."""
     pools = {}
     for name, group in groups.items():
-        pools[name] = group.build(PoolBudget(0, max_num_seqs, device))
-        logger.info("state group %s: %d units of %.1f MiB", name, max_num_seqs, group.bytes_per_unit() / (1 << 20))
+        pools[name] = group.build(PoolBudget(0, max_num_seqs, device, num_snapshots=num_snapshots))
+        logger.info(
+            "state group %s: %d units and %d snapshots of %.1f MiB",
+            name,
+            max_num_seqs,
+            num_snapshots,
+            group.bytes_per_unit() / (1 << 20),
+        )
     return pools
+
+
+def num_state_snapshots(args: EngineArgs, fixed_specs: dict[str, StateGroupSpec]) -> int:
+    """Copies of the recurrent state kept for the prefix cache: none without caching or
+    without fixed-size state."""
+    if not args.enable_prefix_caching or not fixed_specs:
+        return 0
+    return args.max_num_seqs if args.num_state_snapshots is None else args.num_state_snapshots
 
 
 def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:
@@ -263,7 +278,7 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     kv_spec, fixed_specs = split_state_groups(spec, dtype, kv_dtype, args.page_size, parallel)
     longest = args.max_model_len or spec.max_position_embeddings
-    fixed = build_fixed_pools(fixed_specs, args.max_num_seqs, runtime.device)
+    fixed = build_fixed_pools(fixed_specs, args.max_num_seqs, num_state_snapshots(args, fixed_specs), runtime.device)
     recurrent = fixed.get(RECURRENT_GROUP)
     layer = attention[0].for_rank(parallel)
     sampling = parallel.rank == 0
@@ -279,9 +294,8 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         kv_spec,
         budget,
         runtime.device,
-        # The recurrent state of a hybrid model is kept for running requests only, so a
-        # cached KV prefix would come without the state that goes with it: no caching.
-        enable_prefix_caching=args.enable_prefix_caching and recurrent is None,
+        # A hybrid model's cached prefix is usable only with a copy of its recurrent state.
+        enable_prefix_caching=args.enable_prefix_caching and (recurrent is None or recurrent.num_snapshots > 0),
         layout=backend_cls.kv_layout(kv_dtype),
     )
     logger.info(
@@ -292,6 +306,8 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         kv.num_pages * kv_spec.bytes_per_page() / GIB,
         backend_cls.name,
     )
+    if recurrent is not None and kv.prefix_cache is not None:
+        kv.prefix_cache.on_snapshot_dropped = recurrent.free_snapshot
     max_model_len = resolve_max_model_len(args, spec, kv)
     if runtime.name == "cuda":
         from kestrel.layers.gemv import choose_matvec_kernels  # Triton kernels: CUDA only
@@ -344,6 +360,12 @@ def build_worker_runner(args: EngineArgs, rank: int, address: GroupAddress) -> M
     return build_rank(args, parallel).runner
 
 
+def snapshot_stops(args: EngineArgs, rank: RankParts) -> dict[str, int]:
+    """Where prefill chunks stop so the recurrent state there can be kept: only where it is."""
+    keeps_snapshots = rank.recurrent is not None and rank.kv.prefix_cache is not None
+    return {"snapshot_interval": args.state_snapshot_interval if keeps_snapshots else 0}
+
+
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     if args.tensor_parallel_size > 1:
         rank, executor = build_tensor_parallel(args)
@@ -361,7 +383,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         groups=rank.runner.groups,
         runner=rank.runner,
         executor=executor,
-        planner=FcfsPlanner(PlannerConfig(rank.max_num_batched_tokens, args.max_num_seqs)),
+        planner=FcfsPlanner(
+            PlannerConfig(rank.max_num_batched_tokens, args.max_num_seqs, **snapshot_stops(args, rank))
+        ),
         tokenizer=tokenizer,
         max_model_len=rank.max_model_len,
         max_num_batched_tokens=rank.max_num_batched_tokens,

@@ -31,6 +31,7 @@ from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.output_shaping import OutputShaper
 from kestrel.engine.outputs import RequestOutput
+from kestrel.engine.prefix_reuse import NO_HIT, PrefixHit, PrefixReuse
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
@@ -67,9 +68,8 @@ class LLMEngine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._seeds = random.Random(args.seed)
-        self._prefix_matches: dict[str, list[int]] = {}  # this step's cache hits of waiting requests
-        self._prefix_queries = 0
-        self._prefix_hits = 0
+        self._prefix = PrefixReuse(self.parts.kv, self.parts.recurrent, args.state_snapshot_interval)
+        self._prefix_hits: dict[str, PrefixHit] = {}  # this step's cache hits of waiting requests
         self._overlap = args.async_scheduling
         self._swap = HostSwap(self.parts.groups) if args.preemption_mode == "swap" else None
         self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
@@ -129,6 +129,7 @@ class LLMEngine:
         if self._in_flight is not None and self._needs_host_tokens():
             outputs += self._read_in_flight()
         kv = self.parts.kv
+        self._prefix.begin_step()
         plan = self.parts.planner.plan(self._queue_state(), Capacity(kv.free_capacity(), kv.spec.page_size))
         self._apply(plan)
         work = [self._work_for(chunk) for chunk in plan.scheduled]
@@ -174,7 +175,7 @@ class LLMEngine:
         # A request swapped out while its last sample was in flight waits for that token.
         ready = (r for r in self._waiting if r.swapped is None or not r.num_pending_tokens)
         candidates = list(itertools.islice(ready, seats))
-        self._prefix_matches = {r.request_id: self._prefix_match(r) for r in candidates}
+        self._prefix_hits = {r.request_id: self._prefix.match(r) for r in candidates}
         return QueueState(
             waiting=tuple(self._waiting_view(r) for r in candidates),
             running=tuple(self._view(r) for r in self._running if not self._ends_with_pending(r)),
@@ -187,21 +188,12 @@ class LLMEngine:
             request.max_tokens
         )
 
-    def _prefix_match(self, request: Request) -> list[int]:
-        """Cached pages of the request's prefix; never the whole sequence, whose last token
-        must be computed to give logits, and none when prompt logprobs need every position."""
-        cache = self.parts.kv.prefix_cache
-        if cache is None or request.params.prompt_logprobs is not None:
-            return []
-        usable = (request.num_tokens - 1) // cache.page_size
-        return cache.match(request.token_ids)[:usable]
-
     def _waiting_view(self, request: Request) -> RequestView:
         # Cached (or swapped-out) tokens count as computed: they cost no token budget; the
         # pages to swap back in count as new pages.
         if request.swapped is not None:
             return RequestView(request.request_id, request.num_tokens, request.swapped.num_tokens, 0)
-        cached = len(self._prefix_matches[request.request_id]) * self.parts.kv.spec.page_size
+        cached = self._prefix_hits[request.request_id].num_tokens(self.parts.kv.spec.page_size)
         return RequestView(request.request_id, request.num_tokens, cached, 0)
 
     def _view(self, request: Request) -> RequestView:
@@ -229,24 +221,15 @@ class LLMEngine:
                 self._swap.import_(request.swapped)  # its pages and slots, filled from host memory
                 request.swapped = None
             else:
-                self._take_cached_prefix(request)
+                self._prefix.take(request, self._prefix_hits.get(request.request_id, NO_HIT))
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self._running.append(request)
 
-    def _take_cached_prefix(self, request: Request) -> None:
-        pages = self._prefix_matches.get(request.request_id, [])
-        if self.parts.kv.prefix_cache is not None:
-            self._prefix_queries += request.num_tokens
-            self._prefix_hits += len(pages) * self.parts.kv.spec.page_size
-        if pages:
-            self.parts.kv.share(request.request_id, pages)
-            request.num_computed_tokens = len(pages) * self.parts.kv.spec.page_size
-
     def _release_pages(self, request: Request) -> None:
         """Give the request's pages back, leaving its computed full pages in the prefix cache."""
-        self.parts.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
+        self._prefix.release(request)
         for group in self.parts.groups.values():
             group.provider.release(request.request_id)
 
@@ -259,6 +242,7 @@ class LLMEngine:
         state_ids = {
             name: tuple(group.provider.reserve(request.request_id, end)) for name, group in self.parts.groups.items()
         }
+        self._prefix.after_chunk(request, start, end, state_ids)
         pages = state_ids.pop(KV_GROUP)
         params = request.params
         follows = end > request.num_tokens  # its last token is the pending one, on the device
@@ -279,9 +263,6 @@ class LLMEngine:
         )
         request.num_computed_tokens = end
         request.num_pending_tokens += sample
-        if start < request.num_prompt_tokens <= end:
-            # The prompt's KV is queued: later requests with the same prefix can share it.
-            self.parts.kv.cache_prefix(request.request_id, request.token_ids[:end])
         return work
 
     def _prompt_logprob_targets(self, request: Request, start: int, end: int) -> tuple[int, ...]:
@@ -370,6 +351,6 @@ class LLMEngine:
             num_total_pages=kv.total_capacity(),
             num_used_state_slots=self.parts.recurrent.num_used_slots if self.parts.recurrent else 0,
             num_total_state_slots=self.parts.recurrent.num_slots if self.parts.recurrent else 0,
-            prefix_cache_queries=self._prefix_queries,
-            prefix_cache_hits=self._prefix_hits,
+            prefix_cache_queries=self._prefix.queried_tokens,
+            prefix_cache_hits=self._prefix.hit_tokens,
         )

@@ -48,6 +48,18 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="a preempted request's state is recomputed later, or swapped to host memory and back",
     )
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=512,
+        help="hybrid models: keep the recurrent state for the prefix cache every this many tokens",
+    )
+    parser.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        help="hybrid models: copies of the recurrent state the prefix cache may keep (default: max-num-seqs)",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
     # vLLM's flags: the same names as the offline API's vLLM arguments (engine/compat.py).
@@ -86,6 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dependent_launch=args.dependent_launch,
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=args.enable_prefix_caching,
+        state_snapshot_interval=args.state_snapshot_interval,
+        num_state_snapshots=args.num_state_snapshots,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )

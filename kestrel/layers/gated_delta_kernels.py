@@ -34,14 +34,17 @@ def causal_conv_kernel(
     weight_ptr,
     query_start_ptr,
     slots_ptr,
+    read_slots_ptr,
+    save_slots_ptr,
     has_state_ptr,
     channels,
     WIDTH: tl.constexpr,
     WIDTH_POW2: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """One sequence's rows for a block of channels: out = silu(conv(prior ++ x)), then the
-    prior becomes the last WIDTH inputs. prior [slots, channels, WIDTH]; weight [channels,
+    """One sequence's rows for a block of channels: out = silu(conv(prior ++ x)) with the
+    prior read from the sequence's read slot, then the last WIDTH inputs become the prior of
+    its slot and of its save slot. prior [slots, channels, WIDTH]; weight [channels,
     WIDTH + 1]. The program owns its (slot, channels), so it may overwrite what it read."""
     seq = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -49,7 +52,8 @@ def causal_conv_kernel(
     start = tl.load(query_start_ptr + seq)
     length = tl.load(query_start_ptr + seq + 1) - start
     keep = tl.load(has_state_ptr + seq) != 0
-    prior = prior_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_prior_slot + offs_c * WIDTH
+    channel_offsets = offs_c * WIDTH
+    prior = prior_ptr + tl.load(read_slots_ptr + seq).to(tl.int64) * stride_prior_slot + channel_offsets
     for i in range(0, length):
         acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
         for j in tl.static_range(WIDTH + 1):
@@ -73,7 +77,11 @@ def causal_conv_kernel(
     from_prior = tl.load(old, mask=in_tap & (source < 0)[None, :] & keep, other=0.0)
     kept = from_x.to(tl.float32) + from_prior.to(tl.float32)
     tl.debug_barrier()  # no thread overwrites a prior value another has still to read
-    tl.store(prior[:, None] + taps[None, :], kept.to(prior_ptr.dtype.element_ty), mask=in_tap)
+    kept = kept.to(prior_ptr.dtype.element_ty)
+    new_prior = channel_offsets[:, None] + taps[None, :]
+    slot, save = tl.load(slots_ptr + seq).to(tl.int64), tl.load(save_slots_ptr + seq).to(tl.int64)
+    tl.store(prior_ptr + slot * stride_prior_slot + new_prior, kept, mask=in_tap)
+    tl.store(prior_ptr + save * stride_prior_slot + new_prior, kept, mask=in_tap)
 
 
 def causal_conv_varlen(
@@ -83,12 +91,15 @@ def causal_conv_varlen(
     query_start: torch.Tensor,
     slots: torch.Tensor,
     has_state: torch.Tensor,
+    read_slots: torch.Tensor | None = None,
+    save_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every sequence of a step through the depthwise causal convolution and SiLU.
 
     x [tokens, channels] (rows of sequence i: query_start[i] to query_start[i + 1]); prior
-    [slots, channels, width], updated in place; weight [channels, width + 1]. Sequences
-    whose has_state is false start from zero inputs."""
+    [slots, channels, width], updated in place; weight [channels, width + 1]. Each sequence
+    starts from the prior in its read slot (its slot by default), zero inputs where
+    has_state is false, and leaves its new prior in its slot and its save slot."""
     tokens, channels = x.shape
     width = prior.shape[-1]
     out = torch.empty_like(x)
@@ -104,6 +115,8 @@ def causal_conv_varlen(
         weight,
         query_start,
         slots,
+        slots if read_slots is None else read_slots,
+        slots if save_slots is None else save_slots,
         has_state,
         channels,
         WIDTH=width,
@@ -128,6 +141,8 @@ def gated_delta_kernel(
     stride_out,
     query_start_ptr,
     slots_ptr,
+    read_slots_ptr,
+    save_slots_ptr,
     has_state_ptr,
     scale,
     NUM_KEY_HEADS: tl.constexpr,
@@ -138,8 +153,9 @@ def gated_delta_kernel(
     BLOCK_V: tl.constexpr,
 ):
     """One (sequence, value head, block of value columns): the recurrence over the
-    sequence's rows. mixed rows are the convolution's output [q | k | v] over all heads;
-    state [slots, value heads, KEY_DIM, VALUE_DIM] in float32."""
+    sequence's rows, from the state in its read slot to its slot and its save slot. mixed
+    rows are the convolution's output [q | k | v] over all heads; state [slots, value heads,
+    KEY_DIM, VALUE_DIM] in float32."""
     seq = tl.program_id(1) // NUM_VALUE_HEADS
     head = tl.program_id(1) % NUM_VALUE_HEADS
     key_head = head // (NUM_VALUE_HEADS // NUM_KEY_HEADS)
@@ -149,14 +165,8 @@ def gated_delta_kernel(
     start = tl.load(query_start_ptr + seq)
     end = tl.load(query_start_ptr + seq + 1)
     keep = tl.load(has_state_ptr + seq) != 0
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    tile = (
-        state_ptr
-        + slot * stride_state_slot
-        + head * KEY_DIM * VALUE_DIM
-        + offs_k[:, None] * VALUE_DIM
-        + offs_v[None, :]
-    )
+    head_tile = head * KEY_DIM * VALUE_DIM + offs_k[:, None] * VALUE_DIM + offs_v[None, :]
+    tile = state_ptr + tl.load(read_slots_ptr + seq).to(tl.int64) * stride_state_slot + head_tile
     in_tile = in_k[:, None] & in_v[None, :]
     state = tl.load(tile, mask=in_tile & keep, other=0.0)  # a fresh sequence starts from zero
     decay_rate = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
@@ -184,7 +194,9 @@ def gated_delta_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=in_v,
         )
-    tl.store(tile, state, mask=in_tile)
+    slot, save = tl.load(slots_ptr + seq).to(tl.int64), tl.load(save_slots_ptr + seq).to(tl.int64)
+    tl.store(state_ptr + slot * stride_state_slot + head_tile, state, mask=in_tile)
+    tl.store(state_ptr + save * stride_state_slot + head_tile, state, mask=in_tile)
 
 
 def gated_delta_varlen(
@@ -198,13 +210,17 @@ def gated_delta_varlen(
     slots: torch.Tensor,
     has_state: torch.Tensor,
     num_key_heads: int,
+    read_slots: torch.Tensor | None = None,
+    save_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every sequence of a step through the gated delta rule.
 
     mixed [tokens, q | k | v] after the convolution (q, k per key head, v per value head);
     a, b [tokens, value heads] the raw gate projections; a_log, dt_bias [value heads];
-    state [slots, value heads, key_dim, value_dim] float32, updated in place. Returns the
-    output [tokens, value heads, value_dim] in mixed's dtype."""
+    state [slots, value heads, key_dim, value_dim] float32, updated in place: each sequence
+    starts from its read slot (its slot by default; zeros where has_state is false) and
+    leaves its state in its slot and its save slot. Returns the output [tokens, value heads,
+    value_dim] in mixed's dtype."""
     num_value_heads, key_dim, value_dim = state.shape[1:]
     if a.stride(0) != b.stride(0):
         raise ValueError("a and b must share a row stride (views of one projection's output)")
@@ -225,6 +241,8 @@ def gated_delta_varlen(
         out.stride(0),
         query_start,
         slots,
+        slots if read_slots is None else read_slots,
+        slots if save_slots is None else save_slots,
         has_state,
         key_dim**-0.5,
         NUM_KEY_HEADS=num_key_heads,

@@ -202,7 +202,16 @@ class GatedDeltaNet(nn.Module):
         """Convolution and recurrence over the whole step in two Triton launches
         (gated_delta_kernels.py). Returns [tokens, value heads, value_dim] in mixed's dtype."""
         weight = self.conv1d.weight[:, 0, :]
-        convolved = causal_conv_varlen(mixed, state.conv, weight, meta.query_start, meta.slots, meta.has_state_tensor)
+        convolved = causal_conv_varlen(
+            mixed,
+            state.conv,
+            weight,
+            meta.query_start,
+            meta.slots,
+            meta.has_state_tensor,
+            meta.read_slots,
+            meta.save_slots,
+        )
         return gated_delta_varlen(
             convolved,
             a,
@@ -214,6 +223,8 @@ class GatedDeltaNet(nn.Module):
             meta.slots,
             meta.has_state_tensor,
             self.linear.num_key_heads,
+            meta.read_slots,
+            meta.save_slots,
         )
 
     def mix_with_torch(
@@ -237,14 +248,14 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(mixed)
         decodes = meta.num_decodes
         if decodes:
-            slots = meta.slots[:decodes]
-            prior = _zero_unless(state.conv[slots], meta.has_state_tensor[:decodes])
-            out[:decodes], state.conv[slots] = causal_conv_step(mixed[:decodes], prior, weight)
+            prior = _zero_unless(state.conv[meta.read_slots[:decodes]], meta.has_state_tensor[:decodes])
+            out[:decodes], new_prior = causal_conv_step(mixed[:decodes], prior, weight)
+            _save(state.conv, new_prior, meta, slice(0, decodes))
         for index in range(decodes, len(meta.slot_ids)):
             rows = slice(meta.query_start_loc[index], meta.query_start_loc[index + 1])
-            slot = meta.slot_ids[index]
-            prior = state.conv[slot] if meta.has_state[index] else torch.zeros_like(state.conv[slot])
-            out[rows], state.conv[slot] = causal_conv(mixed[rows], prior, weight)
+            prior = _starting(state.conv, meta, index)
+            out[rows], new_prior = causal_conv(mixed[rows], prior, weight)
+            _save(state.conv, new_prior[None], meta, slice(index, index + 1))
         return out
 
     def _delta(
@@ -260,19 +271,32 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(value)
         decodes = meta.num_decodes
         if decodes:
-            slots, rows = meta.slots[:decodes], slice(0, decodes)
-            prior = _zero_unless(state.recurrent[slots], meta.has_state_tensor[:decodes])
-            out[rows], state.recurrent[slots] = recurrent_gated_delta(
+            rows = slice(0, decodes)
+            prior = _zero_unless(state.recurrent[meta.read_slots[:decodes]], meta.has_state_tensor[:decodes])
+            out[rows], new_state = recurrent_gated_delta(
                 query[rows], key[rows], value[rows], log_decay[rows], beta[rows], prior
             )
+            _save(state.recurrent, new_state, meta, rows)
         for index in range(decodes, len(meta.slot_ids)):
             rows = slice(meta.query_start_loc[index], meta.query_start_loc[index + 1])
-            slot = meta.slot_ids[index]
-            prior = state.recurrent[slot] if meta.has_state[index] else torch.zeros_like(state.recurrent[slot])
-            out[rows], state.recurrent[slot] = chunked_gated_delta(
+            prior = _starting(state.recurrent, meta, index)
+            out[rows], new_state = chunked_gated_delta(
                 query[rows], key[rows], value[rows], log_decay[rows], beta[rows], prior
             )
+            _save(state.recurrent, new_state[None], meta, slice(index, index + 1))
         return out
+
+
+def _starting(states: torch.Tensor, meta: RecurrentMetadata, index: int) -> torch.Tensor:
+    """Sequence `index`'s starting state: its read slot's, or zeros for a fresh sequence."""
+    read = meta.read_ids[index]
+    return states[read] if meta.has_state[index] else torch.zeros_like(states[read])
+
+
+def _save(states: torch.Tensor, new: torch.Tensor, meta: RecurrentMetadata, sequences: slice) -> None:
+    """The sequences' final states into their slots and their save slots."""
+    states[meta.slots[sequences]] = new
+    states[meta.save_slots[sequences]] = new
 
 
 def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,25 @@ def test_eviction_takes_least_recently_used_leaves_first():
     cache.insert([0] * 8, [1, 2])  # 1 -> 2
     cache.insert([9] * 4, [3])
     cache.match([0] * 8)  # 1 and 2 are now more recent than 3
-    assert cache.evict(lambda page: True) == 3
-    assert cache.evict(lambda page: page != 2) is None  # leaf 2 is in use, so 1 cannot go either
-    assert cache.evict(lambda page: True) is None  # a refused page waits to be offered again
+    assert cache.evict(lambda page: True) == [3]
+    assert cache.evict(lambda page: page not in (1, 2)) == []  # 2 is in use, and so is 1 above it
+    assert cache.evict(lambda page: True) == []  # a refused page waits to be offered again
     cache.offer(2)  # its last user let go
-    assert cache.evict(lambda page: True) == 2
-    assert cache.evict(lambda page: True) == 1
+    assert cache.evict(lambda page: True) == [2]
+    assert cache.evict(lambda page: True) == [1]
+
+
+def test_an_unused_page_above_a_used_one_goes_with_everything_below_it():
+    """A request that computed its own copy of a cached page caches its later pages below
+    the cached copy: that copy can never become a leaf while the request runs."""
+    cache = PrefixCache(PAGE)
+    cache.insert([0] * 4, [1])
+    cache.insert([0] * 4 + [5] * 8, [9, 2, 3])  # its own copy of page 1 (9) is not recorded
+    assert cache.match([0] * 4 + [5] * 8) == [1, 2, 3]
+    held = {2}  # the request holds 2 (and 9, 3 went back unused)
+    assert cache.evict(lambda page: page not in held) == [3]  # a leaf first
+    assert cache.evict(lambda page: page not in held) == [1]  # then 1, with 2 below it uncached
+    assert len(cache) == 0
 
 
 def test_cached_pages_are_reused_and_evicted_only_when_unreferenced():
@@ -63,17 +76,24 @@ def test_cached_pages_are_reused_and_evicted_only_when_unreferenced():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(1, 6), st.integers(0, 2), st.booleans()), max_size=50))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abcd"), st.integers(1, 6), st.integers(0, 2), st.booleans(), st.integers(0, 6)),
+        max_size=50,
+    )
+)
 def test_free_cached_and_used_always_add_up(operations):
+    """Also where a request shares only part of its cached prefix (a hybrid model's, up to
+    a snapshot): a page available by the count can always be had."""
     cache = PrefixCache(PAGE)
     allocator = PageAllocator(num_pages=12, page_size=PAGE, prefix_cache=cache)
-    for request_id, length_pages, prefix_kind, release in operations:
+    for request_id, length_pages, prefix_kind, release, share_at_most in operations:
         tokens = [prefix_kind] * (length_pages * PAGE)  # few distinct prefixes, so they are shared
         if release:
             cache.insert(tokens, allocator.pages_of(request_id))
             allocator.release(request_id)
         elif not allocator.pages_of(request_id):
-            shared = cache.match(tokens)[: length_pages - 1]
+            shared = cache.match(tokens)[: min(length_pages - 1, share_at_most)]
             allocator.share(request_id, shared)
             try:
                 allocator.reserve(request_id, len(tokens))

@@ -281,7 +281,8 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(qwen3_llm):
 def test_hybrid_request_aborted_mid_prefill_frees_its_state_slot(checkpoint_dir, family):
     llm = LLM(str(checkpoint_dir(family)), max_num_batched_tokens=16, max_num_seqs=2)
     engine = llm.engine
-    assert engine.parts.kv.prefix_cache is None  # no KV reuse without the matching recurrent state
+    # Prefixes are cached with copies of the recurrent state: one per sequence by default.
+    assert engine.parts.kv.prefix_cache is not None and engine.parts.recurrent.num_snapshots == 2
     engine.add_request("long", prompts(1, 60)[0]["prompt_token_ids"], GREEDY)
     engine.step()  # the first 16 of 60 prompt tokens
     assert engine.stats().num_used_state_slots == 1

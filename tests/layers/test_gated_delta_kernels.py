@@ -26,43 +26,52 @@ STEPS = {
 }
 
 
-def _step(lengths: list[int], num_slots: int, seed: int):
-    """query_start, slots (a permutation: sequences do not sit in slot order), has_state."""
+def _step(lengths: list[int], num_slots: int, seed: int, snapshots: bool):
+    """query_start, slots (a permutation: sequences do not sit in slot order), read slots,
+    save slots, has_state. With snapshots, the first sequence starts from a snapshot slot
+    and the last also saves into one (the slots past the first len(lengths) + 1)."""
     generator = torch.Generator().manual_seed(seed)
     query_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    slots = torch.randperm(num_slots, generator=generator)[: len(lengths)]
+    slots = torch.randperm(len(lengths) + 1, generator=generator)[: len(lengths)]
+    reads, saves = slots.clone(), slots.clone()
+    if snapshots:
+        reads[0], saves[-1] = num_slots - 1, num_slots - 2
     has_state = torch.tensor([index % 3 != 1 for index in range(len(lengths))])
-    return query_start, slots, has_state
+    return query_start, slots, reads, saves, has_state
 
 
+SNAPSHOTS = pytest.mark.parametrize("snapshots", [False, True], ids=["own-slots", "snapshots"])
+
+
+@SNAPSHOTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_convolution_kernel_matches_the_reference(step, dtype):
+def test_convolution_kernel_matches_the_reference(step, dtype, snapshots):
     lengths = STEPS[step]
-    channels, width, num_slots = 40, 3, 6
+    channels, width, num_slots = 40, 3, 8
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(sum(lengths), channels, generator=generator).to(dtype)
     prior = torch.randn(num_slots, channels, width, generator=generator).to(dtype)
     weight = torch.randn(channels, width + 1, generator=generator).to(dtype)
-    query_start, slots, has_state = _step(lengths, num_slots, 1)
+    query_start, slots, reads, saves, has_state = _step(lengths, num_slots, 1, snapshots)
 
     expected_prior = prior.clone()
     expected = torch.empty_like(x)
-    for index, slot in enumerate(slots.tolist()):
+    for index, (slot, read, save) in enumerate(zip(slots.tolist(), reads.tolist(), saves.tolist())):
         rows = slice(query_start[index], query_start[index + 1])
-        start = prior[slot] if has_state[index] else torch.zeros_like(prior[slot])
-        expected[rows], expected_prior[slot] = causal_conv(x[rows], start.float(), weight.float())
+        start = prior[read] if has_state[index] else torch.zeros_like(prior[read])
+        expected[rows], new_prior = causal_conv(x[rows], start.float(), weight.float())
+        expected_prior[slot] = expected_prior[save] = new_prior
 
     on = {name: t.to(DEVICE) for name, t in dict(x=x, prior=prior.clone(), weight=weight).items()}
-    got = causal_conv_varlen(
-        on["x"], on["prior"], on["weight"], query_start.to(DEVICE), slots.to(DEVICE), has_state.to(DEVICE)
-    )
+    step_ids = [t.to(DEVICE) for t in (query_start, slots, has_state, reads, saves)]
+    got = causal_conv_varlen(on["x"], on["prior"], on["weight"], *step_ids)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.cpu(), expected, **tolerance)
     torch.testing.assert_close(on["prior"].cpu(), expected_prior.to(dtype), **tolerance)
 
 
-def _reference_delta(mixed, a, b, a_log, dt_bias, state, query_start, slots, has_state, key_heads):
+def _reference_delta(mixed, a, b, a_log, dt_bias, state, query_start, slots, reads, saves, has_state, key_heads):
     """GatedDeltaNet's torch path: norms, gates and the chunked rule, one sequence at a time."""
     value_heads, key_dim, value_dim = state.shape[1:]
     tokens = mixed.shape[0]
@@ -75,19 +84,21 @@ def _reference_delta(mixed, a, b, a_log, dt_bias, state, query_start, slots, has
     beta = b.float().sigmoid()
     out = torch.empty(tokens, value_heads, value_dim)
     state = state.clone()
-    for index, slot in enumerate(slots.tolist()):
+    for index, (slot, read, save) in enumerate(zip(slots.tolist(), reads.tolist(), saves.tolist())):
         rows = slice(query_start[index], query_start[index + 1])
-        start = state[slot] if has_state[index] else torch.zeros_like(state[slot])
-        out[rows], state[slot] = chunked_gated_delta(q[rows], k[rows], v[rows], log_decay[rows], beta[rows], start)
+        start = state[read] if has_state[index] else torch.zeros_like(state[read])
+        out[rows], new = chunked_gated_delta(q[rows], k[rows], v[rows], log_decay[rows], beta[rows], start)
+        state[slot] = state[save] = new
     return out, state
 
 
+@SNAPSHOTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("key_heads, value_heads, key_dim, value_dim", [(2, 4, 16, 16), (1, 1, 8, 40)])
-def test_delta_kernel_matches_the_reference(step, dtype, key_heads, value_heads, key_dim, value_dim):
+def test_delta_kernel_matches_the_reference(step, dtype, key_heads, value_heads, key_dim, value_dim, snapshots):
     lengths = STEPS[step]
-    num_slots, tokens = 6, sum(lengths)
+    num_slots, tokens = 8, sum(lengths)
     generator = torch.Generator().manual_seed(3)
     width = 2 * key_heads * key_dim + value_heads * value_dim
     mixed = torch.randn(tokens, width, generator=generator).to(dtype)
@@ -97,10 +108,10 @@ def test_delta_kernel_matches_the_reference(step, dtype, key_heads, value_heads,
     a_log = torch.randn(value_heads, generator=generator) * 0.5
     dt_bias = torch.randn(value_heads, generator=generator)
     state = torch.randn(num_slots, value_heads, key_dim, value_dim, generator=generator)
-    query_start, slots, has_state = _step(lengths, num_slots, 2)
+    query_start, slots, reads, saves, has_state = _step(lengths, num_slots, 2, snapshots)
 
     expected, expected_state = _reference_delta(
-        mixed, a, b, a_log, dt_bias, state, query_start, slots, has_state, key_heads
+        mixed, a, b, a_log, dt_bias, state, query_start, slots, reads, saves, has_state, key_heads
     )
     device_state, device_gates = state.to(DEVICE), gates.to(DEVICE)
     got = gated_delta_varlen(
@@ -114,6 +125,8 @@ def test_delta_kernel_matches_the_reference(step, dtype, key_heads, value_heads,
         slots.to(DEVICE),
         has_state.to(DEVICE),
         key_heads,
+        reads.to(DEVICE),
+        saves.to(DEVICE),
     )
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got.float().cpu(), expected.to(dtype).float(), **tolerance)

@@ -1,0 +1,107 @@
+"""Which cached prefix a request starts from, and what its steps leave in the prefix cache.
+
+For a model of attention layers only, a cached prefix is its KV pages. A hybrid model's
+linear-attention layers fold every token into a fixed-size recurrent state instead, so its
+prefix is usable only up to a point where a copy of that state (a snapshot) was kept, as
+SGLang's and vLLM's hybrid caches do. The planner stops prefill chunks at every multiple of
+the snapshot interval; a chunk that ends there leaves its state in a snapshot as it runs
+(the kernels write it beside the request's slot), and the prefix cache's node for those
+tokens keeps it. A later request with that prefix shares the KV pages up to the deepest
+node with a snapshot and starts from the snapshot.
+
+Ownership: the KV pool's prefix cache holds the tree (and frees a node's snapshot with the
+node); the recurrent provider owns the snapshot storage; this class decides which prefix a
+request takes and which chunk ends are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider
+from kestrel.core.state import PagedKVProvider
+from kestrel.engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    pages: list[int]  # cached KV pages of the prefix, in order
+    snapshot: int | None = None  # hybrid models: the recurrent state after those pages
+
+    def num_tokens(self, page_size: int) -> int:
+        return len(self.pages) * page_size
+
+
+NO_HIT = PrefixHit([])
+
+
+class PrefixReuse:
+    def __init__(self, kv: PagedKVProvider, recurrent: RecurrentStateProvider | None, snapshot_interval: int) -> None:
+        self.kv = kv
+        self.cache = kv.prefix_cache
+        # Snapshots are kept only where the planner stops chunks for them (composition.py).
+        self.snapshots = recurrent if recurrent is not None and self.cache is not None else None
+        self.interval = snapshot_interval
+        self.queried_tokens = 0  # prompt tokens looked up
+        self.hit_tokens = 0  # of those, tokens a request did not compute again
+
+    def begin_step(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.reclaim_snapshots()
+
+    def match(self, request: Request) -> PrefixHit:
+        """The cached prefix the request may start from; never its whole sequence, whose last
+        token must be computed to give logits, and nothing when prompt logprobs need every
+        position."""
+        if self.cache is None or request.params.prompt_logprobs is not None:
+            return NO_HIT
+        usable = (request.num_tokens - 1) // self.cache.page_size
+        if self.snapshots is None:
+            return PrefixHit(self.cache.match(request.token_ids)[:usable])
+        pages, snapshot = self.cache.match_snapshot(request.token_ids, usable)
+        return PrefixHit(pages, snapshot)
+
+    def take(self, request: Request, hit: PrefixHit) -> None:
+        """Start an admitted request from its hit: share the pages (and its next step reads
+        the snapshot), and count its computed tokens."""
+        if self.cache is not None:
+            self.queried_tokens += request.num_tokens
+            self.hit_tokens += hit.num_tokens(self.cache.page_size)
+        if not hit.pages:
+            return
+        self.kv.share(request.request_id, hit.pages)
+        if hit.snapshot is not None:
+            self.snapshots.restore(request.request_id, hit.snapshot)
+        request.num_computed_tokens = hit.num_tokens(self.cache.page_size)
+
+    def after_chunk(self, request: Request, start: int, end: int, state_ids: dict[str, tuple[int, ...]]) -> None:
+        """Cache what the chunk [start, end) computes: the prompt's pages once the prompt is
+        done; on a hybrid model, the state at a snapshot stop (`state_ids` then also name the
+        snapshot the step leaves it in)."""
+        if start < request.num_prompt_tokens <= end:
+            # The prompt's KV is queued: later requests with the same prefix can share it.
+            self.kv.cache_prefix(request.request_id, request.token_ids[:end])
+        if self.snapshots is not None and end % self.interval == 0 and end <= request.num_tokens:
+            snapshot = self._keep_state(request, end)
+            if snapshot is not None:
+                state_ids[RECURRENT_GROUP] = self.snapshots.save_to(state_ids[RECURRENT_GROUP], snapshot)
+
+    def _keep_state(self, request: Request, end: int) -> int | None:
+        """A snapshot for the state after the request's first `end` tokens, on their node; None
+        where one is kept already or none can be had."""
+        tokens = request.token_ids[:end]
+        self.kv.cache_prefix(request.request_id, tokens)
+        if not self.cache.snapshot_wanted(tokens):
+            return None
+        snapshot = self.snapshots.allocate_snapshot()
+        if snapshot is None:
+            # Only a snapshot whose pages no request holds is taken back: one a running
+            # request starts from, or a chunk of this step saves to, sits on held pages.
+            snapshot = self.cache.evict_snapshot(lambda page: not self.kv.allocator.is_held(page))
+        if snapshot is not None:
+            self.cache.attach_snapshot(tokens, snapshot)
+        return snapshot
+
+    def release(self, request: Request) -> None:
+        """A request gives its pages back: its computed full pages stay cached."""
+        self.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
