@@ -54,9 +54,9 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     the token count. Slots are not zeroed on reuse: a sequence that starts from its first
     token starts from zero state by itself (see `RecurrentMetadata.has_state`).
 
-    A request's ids in a step are (slot, read from, save to): it starts from a snapshot in
-    the step after `restore`, and leaves its state in a snapshot too where `save_to` says so.
-    The kernels do both as they read and write the slot: no copies.
+    A chunk's ids in this group are its slot, or (slot, read from, save to) where it starts
+    from a snapshot or leaves its state in one too (`chunk_ids`): the kernels read and write
+    snapshots as they read and write the slot, with no copies.
     """
 
     supports_graphs = True
@@ -76,7 +76,6 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         first_snapshot = num_slots + 1
         self._free_snapshots = list(range(first_snapshot + num_snapshots - 1, first_snapshot - 1, -1))
         self._released_snapshots: list[int] = []  # free from the next step on
-        self._restore_from: dict[str, int] = {}  # request -> the snapshot its next step starts from
         units = num_slots + 1 + num_snapshots
         conv = torch.zeros(
             (spec.num_layers, units, spec.conv_channels, spec.conv_width), dtype=spec.conv_dtype, device=device
@@ -92,18 +91,16 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         return self._layers[index]
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """The request's (slot, read from, save to) for its next step."""
         slot = self._owned.get(request_id)
         if slot is None:
             if not self._free:
                 raise OutOfPagesError(f"request {request_id} needs a recurrent state slot but all are taken")
             slot = self._owned[request_id] = self._free.pop()
         self._num_tokens[request_id] = num_tokens
-        return [slot, self._restore_from.pop(request_id, slot), slot]
+        return [slot]
 
     def release(self, request_id: str) -> None:
         self._num_tokens.pop(request_id, None)
-        self._restore_from.pop(request_id, None)
         slot = self._owned.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
@@ -141,16 +138,6 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     def num_free_snapshots(self) -> int:
         return len(self._free_snapshots)
 
-    def restore(self, request_id: str, snapshot: int) -> None:
-        """The request's next step starts from `snapshot` rather than from its slot."""
-        self._restore_from[request_id] = snapshot
-
-    @staticmethod
-    def save_to(ids: tuple[int, ...], snapshot: int) -> tuple[int, ...]:
-        """A step's ids (from `reserve`) that also leave the final state in `snapshot`."""
-        slot, read_from, _ = ids
-        return (slot, read_from, snapshot)
-
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """The state folds every token in: it cannot step back, so rolling back at all means
         starting over (0 tokens kept; the sequence recomputes from its start)."""
@@ -166,7 +153,7 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         ]
 
     def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
-        slot = self.reserve(request_id, num_tokens)[0]
+        (slot,) = self.reserve(request_id, num_tokens)
         conv, recurrent = state
         for index, layer in enumerate(self._layers):
             layer.conv[slot].copy_(conv[index])
@@ -239,8 +226,16 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         self._graph_vectors[:, :num_rows].copy_(to_device(self._step_vectors(layout, num_rows), self.device))
 
 
+def chunk_ids(slot: int, read_from: int | None = None, save_to: int | None = None) -> tuple[int, ...]:
+    """A chunk's ids in the recurrent group: its slot, and where it starts from and leaves
+    its state besides (a snapshot), where not the slot itself."""
+    if read_from is None and save_to is None:
+        return (slot,)
+    return (slot, slot if read_from is None else read_from, slot if save_to is None else save_to)
+
+
 def _step_ids(ids: tuple[int, ...]) -> tuple[int, int, int]:
-    """(slot, read from, save to): a chunk built by hand may name its slot alone."""
+    """(slot, read from, save to) of a chunk's ids (`chunk_ids`)."""
     return (ids[0], ids[0], ids[0]) if len(ids) == 1 else (ids[0], ids[1], ids[2])
 
 

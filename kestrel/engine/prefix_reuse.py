@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider
+from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider, chunk_ids
 from kestrel.core.state import PagedKVProvider
 from kestrel.engine.request import Request
 
@@ -42,6 +42,7 @@ class PrefixReuse:
         # Snapshots are kept only where the planner stops chunks for them (composition.py).
         self.snapshots = recurrent if recurrent is not None and self.cache is not None else None
         self.interval = snapshot_interval
+        self._starting: dict[str, int] = {}  # admitted request -> the snapshot its first chunk reads
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of those, tokens a request did not compute again
 
@@ -62,8 +63,8 @@ class PrefixReuse:
         return PrefixHit(pages, snapshot)
 
     def take(self, request: Request, hit: PrefixHit) -> None:
-        """Start an admitted request from its hit: share the pages (and its next step reads
-        the snapshot), and count its computed tokens."""
+        """Start an admitted request from its hit: share the pages (its first chunk reads the
+        snapshot), and count its computed tokens."""
         if self.cache is not None:
             self.queried_tokens += request.num_tokens
             self.hit_tokens += hit.num_tokens(self.cache.page_size)
@@ -71,20 +72,24 @@ class PrefixReuse:
             return
         self.kv.share(request.request_id, hit.pages)
         if hit.snapshot is not None:
-            self.snapshots.restore(request.request_id, hit.snapshot)
+            self._starting[request.request_id] = hit.snapshot
         request.num_computed_tokens = hit.num_tokens(self.cache.page_size)
 
     def after_chunk(self, request: Request, start: int, end: int, state_ids: dict[str, tuple[int, ...]]) -> None:
         """Cache what the chunk [start, end) computes: the prompt's pages once the prompt is
-        done; on a hybrid model, the state at a snapshot stop (`state_ids` then also name the
-        snapshot the step leaves it in)."""
+        done; on a hybrid model, the state at a snapshot stop. A hybrid chunk's recurrent ids
+        (`state_ids`) then also name the snapshot it starts from and the one it saves to."""
         if start < request.num_prompt_tokens <= end:
             # The prompt's KV is queued: later requests with the same prefix can share it.
             self.kv.cache_prefix(request.request_id, request.token_ids[:end])
-        if self.snapshots is not None and end % self.interval == 0 and end <= request.num_tokens:
-            snapshot = self._keep_state(request, end)
-            if snapshot is not None:
-                state_ids[RECURRENT_GROUP] = self.snapshots.save_to(state_ids[RECURRENT_GROUP], snapshot)
+        if self.snapshots is None:
+            return
+        read_from = self._starting.pop(request.request_id, None)
+        save_to = None
+        if end % self.interval == 0 and end <= request.num_tokens:
+            save_to = self._keep_state(request, end)
+        (slot,) = state_ids[RECURRENT_GROUP]
+        state_ids[RECURRENT_GROUP] = chunk_ids(slot, read_from, save_to)
 
     def _keep_state(self, request: Request, end: int) -> int | None:
         """A snapshot for the state after the request's first `end` tokens, on their node; None
@@ -104,4 +109,5 @@ class PrefixReuse:
 
     def release(self, request: Request) -> None:
         """A request gives its pages back: its computed full pages stay cached."""
+        self._starting.pop(request.request_id, None)
         self.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
