@@ -93,3 +93,14 @@ def test_lookahead_tokens_reserve_pages_past_each_chunk():
     assert tight.preempted == ("b",)  # without lookahead both would have fitted in one page
     plain = plan(running=running, free_pages=1)
     assert plain.preempted == () and [c.num_new_pages for c in plain.scheduled] == [0, 1]
+
+
+def test_chunks_stop_at_every_snapshot_interval():
+    """A hybrid model's prefix cache keeps the recurrent state where chunks end: no chunk
+    crosses a multiple of the interval, whatever the budget leaves."""
+    planner = FcfsPlanner(PlannerConfig(max_num_batched_tokens=64, max_num_seqs=8, snapshot_interval=8))
+    waiting = (view("fresh", 30), view("resumed", 30, computed=5, pages=2), view("decode", 41, computed=40))
+    result = planner.plan(QueueState(waiting, ()), Capacity(100, PAGE))
+    assert [(c.request_id, c.num_new_tokens) for c in result.scheduled] == [("fresh", 8), ("resumed", 3), ("decode", 1)]
+    ends = [c.num_computed_tokens + c.num_new_tokens for c in result.scheduled]
+    assert ends[:2] == [8, 8]

@@ -81,3 +81,35 @@ def test_memory_pressure_with_preemption_and_sharing(checkpoint_dir):
     assert_same(got, expected)
     stats = tight.engine.stats()
     assert stats.num_used_pages == 0 and stats.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_hybrid_snapshots_under_pressure_change_nothing_but_speed(checkpoint_dir, family):
+    """One snapshot to go round, a KV pool that must evict, conversations that continue:
+    the same outputs as without caching, hits where a kept state allows, and every snapshot
+    accounted for at the end."""
+    path = str(checkpoint_dir(family))
+    common = dict(page_size=8, max_num_batched_tokens=64, state_snapshot_interval=16, max_model_len=256)
+    cold = LLM(path, enable_prefix_caching=False, **common)
+    pages = 40
+    warm = LLM(
+        path,
+        num_state_snapshots=1,
+        kv_cache_memory_gb=pages * cold.engine.parts.kv.spec.bytes_per_page() / 2**30,
+        **common,
+    )
+    assert warm.engine.parts.kv.num_pages == pages
+    system = random_tokens(40, seed=11)
+    first = [system + random_tokens(n, seed=20 + n) for n in (3, 17, 30)]
+    assert_same(run(warm, first), run(cold, first))
+    # A second turn of each conversation: its first turn, its answer, a new message.
+    answers = [tokens for tokens, _ in run(cold, first)]
+    second = [p + a + random_tokens(5, seed=50 + i) for i, (p, a) in enumerate(zip(first, answers))]
+    before = warm.engine.stats().prefix_cache_hits
+    assert_same(run(warm, second), run(cold, second))
+    assert warm.engine.stats().prefix_cache_hits - before >= 16  # at least one kept state was reused
+    recurrent, cache = warm.engine.parts.recurrent, warm.engine.parts.kv.prefix_cache
+    recurrent.reclaim_snapshots()
+    assert recurrent.num_free_snapshots + cache.num_snapshots == recurrent.num_snapshots == 1
+    stats = warm.engine.stats()
+    assert stats.num_used_pages == stats.num_used_state_slots == 0
