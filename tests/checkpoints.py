@@ -76,7 +76,7 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
+            shared_expert_intermediate_size=32,  # the routed experts' width: stacked with them
             norm_topk_prob=True,
             mlp_only_layers=[2],
         ),

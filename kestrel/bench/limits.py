@@ -79,9 +79,10 @@ class ModelCost:
 
 
 def _expert_stack(moe: SparseMoe) -> ExpertStack:
+    """The routed experts; an always-on expert stacked after them counts as dense."""
     weights: list[nn.Parameter] = [moe.experts.w13.weight, moe.experts.w2.weight]
-    params = sum(w.numel() for w in weights) // moe.num_experts
-    num_bytes = sum(w.numel() * w.element_size() for w in weights) // moe.num_experts
+    params = sum(w.numel() for w in weights) // moe.num_stacked
+    num_bytes = sum(w.numel() * w.element_size() for w in weights) // moe.num_stacked
     return ExpertStack(moe.num_experts, moe.top_k, num_bytes, params)
 
 

@@ -57,16 +57,21 @@ class SparseMoe(nn.Module):
         top_k: int,
         renormalize: bool,
         parallel: TensorParallel = SINGLE,
+        num_stacked: int | None = None,
     ) -> None:
+        """`num_stacked` experts are stacked (default: the `num_experts` the router picks
+        from); any past those are always-on experts that a subclass routes every token to."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_stacked = num_stacked or num_experts
         self.parallel = parallel
         self.gate = Linear(hidden_size, num_experts)  # the router is replicated
         part = parallel.split(intermediate_size, "moe_intermediate_size")
         inner = ShardSlice(parallel.rank * part, part, intermediate_size)
         self.experts = nn.Module()
-        self.experts.w13 = StackedExpertWeight(num_experts, {"gate": inner, "up": inner}, ShardSlice.whole(hidden_size))
-        self.experts.w2 = StackedExpertWeight(num_experts, {"down": ShardSlice.whole(hidden_size)}, inner)
+        stacked = self.num_stacked
+        self.experts.w13 = StackedExpertWeight(stacked, {"gate": inner, "up": inner}, ShardSlice.whole(hidden_size))
+        self.experts.w2 = StackedExpertWeight(stacked, {"down": ShardSlice.whole(hidden_size)}, inner)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights (softmax in float32, as HF does)."""
@@ -77,7 +82,10 @@ class SparseMoe(nn.Module):
         return weights.to(hidden.dtype), experts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(hidden)
+        return self.mix_experts(hidden, *self.route(hidden))
+
+    def mix_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The sum over each token's chosen experts, weighted; fused on CUDA."""
         if hidden.is_cuda:
             from kestrel.layers.fused_moe import fused_moe
 
@@ -90,9 +98,9 @@ class SparseMoe(nn.Module):
         """The torch path: one matmul per expert over its tokens (reads counts to the host)."""
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
-        token_rows = order // self.top_k
+        token_rows = order // experts.shape[1]  # choices per token: top_k, plus any always-on expert
         token_weights = weights.flatten()[order]
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_experts, minlength=self.num_stacked).tolist()
         out = torch.zeros_like(hidden)
         w13, w2 = self.experts.w13.weight, self.experts.w2.weight
         start = 0

@@ -334,16 +334,29 @@ class GatedAttention(nn.Module):
 
 
 class SharedExpertMoe(SparseMoe):
-    """Routed experts plus one always-on expert scaled by a learned sigmoid gate."""
+    """Routed experts plus one always-on expert scaled by a learned sigmoid gate.
+
+    Where the shared expert has the routed experts' width (Qwen3-Next, Qwen3.5-MoE) it is
+    stacked after them as expert `num_experts`, which every token chooses with its gate as
+    the weight: one fused MoE computes both, with no separate matmuls for the shared expert.
+    """
 
     def __init__(self, spec: DecoderSpec, parallel: TensorParallel) -> None:
-        super().__init__(*sparse_moe_args(spec), parallel)
-        self.shared_expert = DecoderMLP(spec, parallel, spec.shared_expert_size)
+        stacked = spec.stacks_shared_expert
+        args = sparse_moe_args(spec)
+        super().__init__(*args, parallel, num_stacked=spec.moe.num_experts + 1 if stacked else None)
+        if not stacked:
+            self.shared_expert = DecoderMLP(spec, parallel, spec.shared_expert_size)
         self.shared_expert_gate = Linear(spec.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return super().forward(hidden) + shared
+        shared_weight = torch.sigmoid(self.shared_expert_gate(hidden))
+        weights, experts = self.route(hidden)
+        if self.num_stacked == self.num_experts:
+            return self.mix_experts(hidden, weights, experts) + shared_weight * self.shared_expert(hidden)
+        weights = torch.cat((weights, shared_weight.to(weights.dtype)), dim=1)
+        experts = torch.cat((experts, experts.new_full((hidden.shape[0], 1), self.num_experts)), dim=1)
+        return self.mix_experts(hidden, weights, experts)
 
 
 class HybridDecoderLayer(ResidualBlock):

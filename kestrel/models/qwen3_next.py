@@ -83,7 +83,13 @@ class Qwen3NextRecipe(HybridRecipe):
         if spec.moe is None:
             return ()
         names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-        return tuple(expert_mappings(spec.moe.num_experts, "mlp", names))
+        mappings = expert_mappings(spec.moe.num_experts, "mlp", names)
+        if spec.stacks_shared_expert:  # the shared expert is stacked last (SharedExpertMoe)
+            shared = spec.moe.num_experts
+            for name, part in names.items():
+                target = "mlp.experts.w2" if part == "down" else "mlp.experts.w13"
+                mappings.append(PackedMapping(f"mlp.shared_expert.{name}", target, f"{shared}:{part}"))
+        return tuple(mappings)
 
 
 class Qwen3_5Recipe(HybridRecipe):

@@ -101,6 +101,12 @@ class DecoderSpec(ModelSpec):
         return self.moe is not None and self.moe.is_sparse(index)
 
     @property
+    def stacks_shared_expert(self) -> bool:
+        """Whether the shared expert has the routed experts' width, so it is stacked with them
+        as one more expert that every token chooses (one fused MoE computes both)."""
+        return self.moe is not None and self.shared_expert_size == self.moe.intermediate_size
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
