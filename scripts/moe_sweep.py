@@ -75,7 +75,7 @@ def sweep_shape(num_experts: int, top_k: int, hidden: int, inter: int, tokens_li
             timings.append((ms, launch))
         timings.sort(key=lambda pair: pair[0])
         best_ms, best = timings[0]
-        table = moe_launch(tokens * top_k)
+        table = moe_launch(tokens * top_k, num_experts)
         current_ms = graph_ms(lambda table=table: step(table))
         distinct = len(torch.unique(experts))
         gb_s = distinct * stack.bytes_per_expert / best_ms / 1e6

@@ -8,7 +8,8 @@ on the routing, so nothing is read back to the host and a step can be captured i
 
 The grouping is two small kernels (count and lay out the blocks; place each row), not a sort:
 a decode step runs it in every layer, where a dozen torch ops cost more than the matmuls'
-bytes. Launch shapes come from a table measured per GPU and token count (`moe_launch`).
+bytes. Launch shapes come from a table per run length (`moe_launch`), which
+scripts/moe_sweep.py measures per GPU.
 """
 
 from __future__ import annotations
@@ -34,19 +35,22 @@ class MoeLaunch:
     num_stages: int = 3
 
 
-# The fastest launch per range of assignments (tokens x top_k), shared by both matmuls, as
-# scripts/moe_sweep.py measures it per GPU over the Qwen3-30B-A3B and Qwen3-Next expert
-# shapes. Until a sweep fills it in, one launch for every count: short row blocks, since a
-# decode step gives each expert a row or two.
-LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = ((1 << 62, MoeLaunch()),)
+# The launch per range of rows per expert (assignments / experts, what one expert's run
+# holds on average), shared by both matmuls. Until scripts/moe_sweep.py has measured a GPU's
+# table, the row block follows the run length: a decode step gives each expert a row or two
+# (short blocks, so little of each block is padding), a large prefill hundreds (tall blocks,
+# so each weight tile is read once per 64 rows rather than per 16).
+LAUNCHES: tuple[tuple[float, MoeLaunch], ...] = (
+    (16, MoeLaunch(block_m=16)),
+    (64, MoeLaunch(block_m=32)),
+    (float("inf"), MoeLaunch(block_m=64, block_n=128, num_warps=8)),
+)
 
 
-def moe_launch(num_rows: int) -> MoeLaunch:
-    """The launch for `num_rows` assignments (tokens x top_k)."""
-    for most_rows, launch in LAUNCHES:
-        if num_rows <= most_rows:
-            return launch
-    return LAUNCHES[-1][1]
+def moe_launch(num_rows: int, num_experts: int) -> MoeLaunch:
+    """The launch for `num_rows` assignments (tokens x choices) over `num_experts` experts."""
+    per_expert = num_rows / num_experts
+    return next(launch for most, launch in LAUNCHES if per_expert <= most)
 
 
 @triton.jit
@@ -251,7 +255,7 @@ def fused_moe(
     weights, experts [tokens, top_k]. Returns sum over choices of weight * expert(hidden)."""
     tokens, top_k = experts.shape
     num_rows = tokens * top_k
-    launch = launch or moe_launch(num_rows)
+    launch = launch or moe_launch(num_rows, w13.shape[0])
     row_ids, block_experts = group_by_expert(experts, w13.shape[0], launch.block_m)
     gate_up = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k, launch)
     activated = ops.silu_and_mul(gate_up)

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kestrel.core.attention import triton_kernels as attention
-from kestrel.layers import fused, gemv
+from kestrel.layers import fused, fused_moe, gated_delta_kernels, gemv
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED_MEMORY = 227 * 1024  # per program, at most
@@ -32,6 +32,11 @@ ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "
 ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32"}
 FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
 BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
+MOE_MATMUL = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*bf16"}
+MOE_MATMUL |= {"row_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
+MOE_GROUPING = {"experts_ptr": "*i32", "cursors_ptr": "*i32", "row_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
+RECURRENT_STEP = {"query_start_ptr": "*i32", "slots_ptr": "*i64", "read_slots_ptr": "*i64", "save_slots_ptr": "*i64"}
+RECURRENT_STEP |= {"has_state_ptr": "*i1"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32")
 
 CASES = {
@@ -85,6 +90,34 @@ CASES = {
         ATTENTION | FLOAT8_POOL,
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, PAGE=16, BLOCK_N=64, PRECISION="tf32")
         | dict(DOTS_IN_FP16=True, VALUES_BY_SLOT=True),
+    ),
+    "moe_matmul_decode": (
+        fused_moe.grouped_matmul_kernel,
+        MOE_MATMUL,
+        dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32"),
+    ),
+    "moe_matmul_tall": (
+        fused_moe.grouped_matmul_kernel,
+        MOE_MATMUL,
+        dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32"),
+    ),
+    "moe_expert_blocks": (
+        fused_moe.expert_blocks_kernel,
+        MOE_GROUPING,
+        dict(NUM_EXPERTS=512, EXPERTS_POW2=512, BLOCK_M=16, CHUNK=64),
+    ),
+    "moe_place_rows": (fused_moe.place_rows_kernel, MOE_GROUPING, dict(BLOCK=256)),
+    "causal_conv": (
+        gated_delta_kernels.causal_conv_kernel,
+        RECURRENT_STEP | {"x_ptr": "*bf16", "out_ptr": "*bf16", "prior_ptr": "*bf16", "weight_ptr": "*bf16"},
+        dict(WIDTH=3, WIDTH_POW2=4, BLOCK_C=256),
+    ),
+    "gated_delta": (
+        gated_delta_kernels.gated_delta_kernel,
+        RECURRENT_STEP
+        | {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16"}
+        | {"state_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32"},
+        dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32),
     ),
 }
 

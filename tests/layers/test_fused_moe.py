@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kestrel.layers.fused_moe import MoeLaunch, fused_moe, group_by_expert, sort_by_expert
+from kestrel.layers.fused_moe import MoeLaunch, fused_moe, group_by_expert, moe_launch, sort_by_expert
 from kestrel.layers.moe import SparseMoe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,6 +54,13 @@ def test_fused_moe_matches_the_torch_path(tokens, top_k, renormalize):
     weights, experts = moe.route(hidden)
     expected = moe.grouped(hidden, weights, experts)
     tolerance = dict(atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
-    for launch in (None, MoeLaunch(block_m=32, block_n=32, block_k=32), MoeLaunch(block_m=16, block_k=128)):
+    launches = (None, MoeLaunch(block_m=32, block_n=32, block_k=32), MoeLaunch(64, 128, 64, num_warps=8))
+    for launch in launches:
         got = fused_moe(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts, launch)
         torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_row_blocks_follow_the_rows_each_expert_gets():
+    assert moe_launch(1 * 8, 128).block_m == 16  # a decode token: a row or two per expert
+    assert moe_launch(512 * 8, 128).block_m == 32
+    assert moe_launch(8192 * 8, 128).block_m == 64  # a large prefill: hundreds per expert
