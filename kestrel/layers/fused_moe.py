@@ -6,10 +6,10 @@ kernel launch then computes every expert's gate/up projection, another every dow
 projection (scaled by the routing weight). All shapes depend only on the token count, never
 on the routing, so nothing is read back to the host and a step can be captured in a graph.
 
-The grouping is two small kernels (count and lay out the blocks; place each row), not a sort:
-a decode step runs it in every layer, where a dozen torch ops cost more than the matmuls'
-bytes. Launch shapes come from a table per run length (`moe_launch`), which
-scripts/moe_sweep.py measures per GPU.
+The grouping is three small kernels (count each expert's rows; lay out each expert's run;
+place each row), each spread over many programs, not a sort: a decode step runs it in every
+layer, where a dozen torch ops cost more than the matmuls' bytes. Launch shapes come from
+a table per run length (`moe_launch`), which scripts/moe_sweep.py measures per GPU.
 """
 
 from __future__ import annotations
@@ -104,8 +104,17 @@ def grouped_matmul_kernel(
 
 
 @triton.jit
-def expert_blocks_kernel(
-    experts_ptr,
+def count_rows_kernel(experts_ptr, counts_ptr, num_rows, BLOCK: tl.constexpr):
+    """counts[e] += the assignments to expert e among this program's rows."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < num_rows
+    chosen = tl.load(experts_ptr + offs, mask=inside, other=0)
+    tl.atomic_add(counts_ptr + chosen, 1, mask=inside)
+
+
+@triton.jit
+def expert_runs_kernel(
+    counts_ptr,
     cursors_ptr,
     row_ids_ptr,
     block_experts_ptr,
@@ -116,27 +125,30 @@ def expert_blocks_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program: count each expert's assignments, pad each run to whole blocks, write
-    where each run starts (the cursors `place_rows_kernel` advances), the expert of every
-    block (-1 past the last run), and fill the row ids with padding."""
-    expert_ids = tl.arange(0, EXPERTS_POW2)
-    counts = tl.zeros((EXPERTS_POW2,), dtype=tl.int32)
-    for start in range(0, num_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        chosen = tl.load(experts_ptr + offs, mask=offs < num_rows, other=-1)
-        counts += tl.sum((chosen[:, None] == expert_ids[None, :]).to(tl.int32), axis=0)
+    """One program per expert: where its run starts (the padded counts before it, summed; the
+    cursor `place_rows_kernel` advances), the expert of each of its blocks, and padding rows
+    after its assignments. The last expert's program also marks what lies past the last run."""
+    expert = tl.program_id(0)
+    ids = tl.arange(0, EXPERTS_POW2)
+    counts = tl.load(counts_ptr + ids, mask=ids < NUM_EXPERTS, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(cursors_ptr + expert_ids, ends - padded, mask=expert_ids < NUM_EXPERTS)
-    for start in range(0, capacity, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(row_ids_ptr + offs, num_rows, mask=offs < capacity)
-    for start in range(0, capacity // BLOCK_M, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
-        first_row = blocks * BLOCK_M
-        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(owner < NUM_EXPERTS, owner, -1)
-        tl.store(block_experts_ptr + blocks, owner, mask=blocks < capacity // BLOCK_M)
+    start = tl.sum(tl.where(ids < expert, padded, 0))
+    end = start + tl.sum(tl.where(ids == expert, padded, 0))
+    tl.store(cursors_ptr + expert, start)
+    _fill(row_ids_ptr, start + tl.sum(tl.where(ids == expert, counts, 0)), end, num_rows, CHUNK)
+    _fill(block_experts_ptr, start // BLOCK_M, end // BLOCK_M, expert, CHUNK)
+    if expert == NUM_EXPERTS - 1:
+        total = tl.sum(padded)
+        _fill(row_ids_ptr, total, capacity, num_rows, CHUNK)
+        _fill(block_experts_ptr, total // BLOCK_M, capacity // BLOCK_M, -1, CHUNK)
+
+
+@triton.jit
+def _fill(ptr, begin, end, value, CHUNK: tl.constexpr):
+    """ptr[begin:end] = value."""
+    for first in range(begin, end, CHUNK):
+        offs = first + tl.arange(0, CHUNK)
+        tl.store(ptr + offs, tl.full((CHUNK,), value, tl.int32), mask=offs < end)
 
 
 @triton.jit
@@ -163,11 +175,15 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tu
     flat = experts.flatten().to(torch.int32)
     num_rows = flat.numel()
     capacity = group_capacity(num_rows, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
     cursors = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     row_ids = torch.empty(capacity, dtype=torch.int32, device=flat.device)
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
-    expert_blocks_kernel[(1,)](
-        flat,
+    rows_per_program = 256
+    row_grid = (triton.cdiv(num_rows, rows_per_program),)
+    count_rows_kernel[row_grid](flat, counts, num_rows, BLOCK=rows_per_program)
+    expert_runs_kernel[(num_experts,)](
+        counts,
         cursors,
         row_ids,
         block_experts,
@@ -178,8 +194,7 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tu
         BLOCK_M=block_m,
         CHUNK=64,
     )
-    place = 256
-    place_rows_kernel[(triton.cdiv(num_rows, place),)](flat, cursors, row_ids, num_rows, BLOCK=place)
+    place_rows_kernel[row_grid](flat, cursors, row_ids, num_rows, BLOCK=rows_per_program)
     return row_ids, block_experts
 
 

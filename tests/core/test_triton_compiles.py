@@ -35,6 +35,7 @@ BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
 MOE_MATMUL = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*bf16"}
 MOE_MATMUL |= {"row_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
 MOE_GROUPING = {"experts_ptr": "*i32", "cursors_ptr": "*i32", "row_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
+MOE_GROUPING |= {"counts_ptr": "*i32"}
 RECURRENT_STEP = {"query_start_ptr": "*i32", "slots_ptr": "*i64", "read_slots_ptr": "*i64", "save_slots_ptr": "*i64"}
 RECURRENT_STEP |= {"has_state_ptr": "*i1"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32")
@@ -101,10 +102,11 @@ CASES = {
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32"),
     ),
-    "moe_expert_blocks": (
-        fused_moe.expert_blocks_kernel,
+    "moe_count_rows": (fused_moe.count_rows_kernel, MOE_GROUPING, dict(BLOCK=256)),
+    "moe_expert_runs": (  # Qwen3-Next: 512 routed experts and the shared one stacked after them
+        fused_moe.expert_runs_kernel,
         MOE_GROUPING,
-        dict(NUM_EXPERTS=512, EXPERTS_POW2=512, BLOCK_M=16, CHUNK=64),
+        dict(NUM_EXPERTS=513, EXPERTS_POW2=1024, BLOCK_M=16, CHUNK=64),
     ),
     "moe_place_rows": (fused_moe.place_rows_kernel, MOE_GROUPING, dict(BLOCK=256)),
     "causal_conv": (
