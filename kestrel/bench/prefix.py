@@ -10,10 +10,10 @@ import time
 import torch
 
 
-def run_once(model: str, enable: bool, prompts: list[list[int]], output_len: int) -> dict:
+def run_once(model: str, load_format: str, enable: bool, prompts: list[list[int]], output_len: int) -> dict:
     from kestrel import LLM, SamplingParams
 
-    llm = LLM(model, enable_prefix_caching=enable, seed=0)
+    llm = LLM(model, load_format=load_format, enable_prefix_caching=enable, seed=0)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
@@ -45,8 +45,8 @@ def run_prefix_benchmark(args: argparse.Namespace) -> int:
         system + torch.randint(100, 1000, (args.question_len,), generator=generator).tolist()
         for _ in range(args.num_prompts)
     ]
-    off = run_once(args.model, False, prompts, args.output_len)
-    on = run_once(args.model, True, prompts, args.output_len)
+    off = run_once(args.model, args.load_format, False, prompts, args.output_len)
+    on = run_once(args.model, args.load_format, True, prompts, args.output_len)
     report = {"off": off, "on": on, "prefill_reduction": off["prefill_tokens_computed"] / on["prefill_tokens_computed"]}
     print(json.dumps(report, indent=2))
     if args.output_json:
@@ -56,7 +56,8 @@ def run_prefix_benchmark(args: argparse.Namespace) -> int:
 
 
 def add_prefix_bench_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", required=True, help="a checkpoint, or a built-in shape with --load-format dummy")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--system-len", type=int, default=512)
     parser.add_argument("--question-len", type=int, default=64)

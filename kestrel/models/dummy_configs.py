@@ -68,6 +68,33 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
     ),
+    # A small Qwen3-Next (3 linear-attention layers, 1 full, 8 experts and a shared one): the
+    # hybrid model's mechanisms (state snapshots, prefix caching) timed on a CPU.
+    "qwen3-next-tiny": dict(
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    ),
     # Qwen3-Next-80B-A3B cut to 24 of its 48 layers (the same 3 linear : 1 full pattern), so
     # that bf16 weights fit one 141 GB GPU with room for the KV pool.
     "qwen3-next-80b-a3b-24l": dict(
