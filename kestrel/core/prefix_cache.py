@@ -72,12 +72,10 @@ class PrefixCache:
         """Pages of the longest cached prefix of `tokens` (at most `max_pages`) that ends at a
         node holding a snapshot, and that snapshot; ([], None) where none does."""
         pages = self.match(tokens)[:max_pages]
-        node, deepest = self._root, (0, None)
-        for depth, page in enumerate(pages, start=1):
-            node = self._by_page[page]
-            if node.snapshot is not None:
-                deepest = (depth, node.snapshot)
-        depth, snapshot = deepest
+        depth, snapshot = 0, None
+        for index, page in enumerate(pages, start=1):
+            if self._by_page[page].snapshot is not None:
+                depth, snapshot = index, self._by_page[page].snapshot
         return pages[:depth], snapshot
 
     def snapshot_wanted(self, tokens: Sequence[int]) -> bool:

@@ -79,23 +79,20 @@ class PrefixReuse:
         """Cache what the chunk [start, end) computes: the prompt's pages once the prompt is
         done; on a hybrid model, the state at a snapshot stop. A hybrid chunk's recurrent ids
         (`state_ids`) then also name the snapshot it starts from and the one it saves to."""
-        if start < request.num_prompt_tokens <= end:
-            # The prompt's KV is queued: later requests with the same prefix can share it.
+        at_stop = self.snapshots is not None and end % self.interval == 0 and end <= request.num_tokens
+        if start < request.num_prompt_tokens <= end or at_stop:
+            # The chunk's KV is queued: later requests with the same prefix can share it.
             self.kv.cache_prefix(request.request_id, request.token_ids[:end])
         if self.snapshots is None:
             return
         read_from = self._starting.pop(request.request_id, None)
-        save_to = None
-        if end % self.interval == 0 and end <= request.num_tokens:
-            save_to = self._keep_state(request, end)
+        save_to = self._keep_state(request.token_ids[:end]) if at_stop else None
         (slot,) = state_ids[RECURRENT_GROUP]
         state_ids[RECURRENT_GROUP] = chunk_ids(slot, read_from, save_to)
 
-    def _keep_state(self, request: Request, end: int) -> int | None:
-        """A snapshot for the state after the request's first `end` tokens, on their node; None
+    def _keep_state(self, tokens: list[int]) -> int | None:
+        """A snapshot for the state after `tokens` (cached whole pages), on their node; None
         where one is kept already or none can be had."""
-        tokens = request.token_ids[:end]
-        self.kv.cache_prefix(request.request_id, tokens)
         if not self.cache.snapshot_wanted(tokens):
             return None
         snapshot = self.snapshots.allocate_snapshot()

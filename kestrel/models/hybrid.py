@@ -294,9 +294,11 @@ def _starting(states: torch.Tensor, meta: RecurrentMetadata, index: int) -> torc
 
 
 def _save(states: torch.Tensor, new: torch.Tensor, meta: RecurrentMetadata, sequences: slice) -> None:
-    """The sequences' final states into their slots and their save slots."""
+    """The sequences' final states into their slots, and into their save slots where any
+    differs (a snapshot the prefix cache keeps)."""
     states[meta.slots[sequences]] = new
-    states[meta.save_slots[sequences]] = new
+    if meta.save_ids[sequences] != meta.slot_ids[sequences]:
+        states[meta.save_slots[sequences]] = new
 
 
 def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
