@@ -45,6 +45,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("serve needs a model: kestrel serve MODEL (or --model MODEL)")
     if args.max_logprobs > MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs {args.max_logprobs} is above {MAX_LOGPROBS}, the most Kestrel returns")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of the formats the model writes)")
     try:
         asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
     except EngineDeadError as error:  # the core could not start: say why, without a traceback

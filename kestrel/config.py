@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kestrel.engine.reasoning import reasoning_format
+
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names
 
@@ -45,6 +47,9 @@ class EngineArgs:
     # What preemption does with a request's state: "recompute" it later from the tokens, or
     # "swap" it to host memory and back (vLLM's name and values).
     preemption_mode: str = "recompute"
+    # A thinking model's reasoning markers (vLLM's names: "qwen3", "deepseek_r1"): structured
+    # output grammars apply after the reasoning, and the server splits `reasoning_content` out.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,3 +104,5 @@ class EngineArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.reasoning_parser is not None:
+            reasoning_format(self.reasoning_parser)  # an unknown name fails here, naming the known ones

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this, a temperature means greedy decoding (vLLM's convention).
 GREEDY_TEMPERATURE = 1e-5
@@ -18,6 +20,54 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # after every new token, everything so far
     DELTA = "delta"  # after every new token, only what is new (streaming without per-step copies)
     FINAL_ONLY = "final_only"  # once, when it finishes: no per-step copies of a long output
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names); exactly one of the constraints is set.
+
+    `json` is a JSON schema (a dict or its text), `regex` a regular expression, `choice` a
+    list of strings (the output is one of them), `grammar` an EBNF grammar (GBNF / xgrammar
+    syntax), `json_object` any JSON object. With `disable_any_whitespace`, JSON comes without
+    free whitespace between tokens (small models otherwise tend to emit runs of it).
+    """
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, Mapping):  # canonical text: one cache entry per schema
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            named = ", ".join(kinds) if kinds else "none"
+            raise ValueError(f"structured outputs take one of json, regex, choice, grammar, json_object; got {named}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
+
+    def cache_key(self) -> tuple:
+        return (self.kind, self.json, self.regex, self.choice, self.grammar, self.disable_any_whitespace)
+
+
+# vLLM's earlier name for the same thing.
+GuidedDecodingParams = StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -49,6 +99,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match a schema, regex, choice or grammar (a token mask per step).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string or any iterable, store an immutable tuple.

@@ -104,7 +104,7 @@ def page_table(
 def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host integers onto `device`; through pinned memory on CUDA, so the copy does not
     wait for the host."""
-    return _onto(torch.from_numpy(values), device)
+    return host_to_device(torch.from_numpy(values), device)
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,11 @@ def values_to_device(values: Sequence[int | float | bool], dtype: torch.dtype, d
     """A short host list onto `device` without waiting for the device: `torch.tensor(...,
     device=cuda)` copies from pageable memory, which waits for all queued GPU work and would
     stall a step launched while the previous one still runs."""
-    return _onto(torch.tensor(values, dtype=dtype), device)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def _onto(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto `device` by a pinned, non-blocking copy (see `values_to_device`)."""
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -19,10 +19,12 @@ from kestrel.core.runtime.base import HostTransfer
 from kestrel.core.sampling import (
     DeviceSamples,
     LogprobTensors,
+    RowMasks,
     SampledToken,
     Sampler,
     SamplingRow,
     TokenLogprobs,
+    TokenMasks,
 )
 from kestrel.core.state import StateGroup
 from kestrel.core.workspace import Workspace
@@ -168,14 +170,15 @@ class ModelRunner:
         """Forget a finished request's sampling state."""
         self.sampler.forget(request_id)
 
-    def execute(self, work: Sequence[SequenceWork]) -> StepOutput:
+    def execute(self, work: Sequence[SequenceWork], masks: TokenMasks | None = None) -> StepOutput:
         """Run one step and wait for its results."""
-        return self.launch(work).result()
+        return self.launch(work, masks).result()
 
     @torch.inference_mode()
-    def launch(self, work: Sequence[SequenceWork]) -> LaunchedStep:
+    def launch(self, work: Sequence[SequenceWork], masks: TokenMasks | None = None) -> LaunchedStep:
         """Queue one step on the device (forward, sampling, the copy of the samples to the
-        host) and return without waiting for it."""
+        host) and return without waiting for it. `masks` restrict constrained requests'
+        samples; they are filled after the forward pass is queued, while the device runs it."""
         ordered = sorted(work, key=lambda item: not item.is_decode)  # stable: decodes first
         layout = self._layout(ordered)
         token_ids, logits_indices, rows = self._host_inputs(ordered)
@@ -189,7 +192,7 @@ class ModelRunner:
         if not self.samples:
             self.sampler.remember([item.request_id for item, r in zip(ordered, rows) for _ in r.sample_rows], None)
             return LaunchedStep(ordered, [], None, [], None)
-        sampled_ids, samples = self._sample(ordered, rows, logits)
+        sampled_ids, samples = self._sample(ordered, rows, logits, masks)
         self.sampler.remember(sampled_ids, samples.tokens if samples is not None else None)
         prompt = self._prompt_logprobs(ordered, rows, logits)
         tensors = (samples.tensors() if samples is not None else []) + [
@@ -264,7 +267,7 @@ class ModelRunner:
         return buffer
 
     def _sample(
-        self, ordered: list[SequenceWork], rows: list[_LogitRows], logits: torch.Tensor
+        self, ordered: list[SequenceWork], rows: list[_LogitRows], logits: torch.Tensor, masks: TokenMasks | None
     ) -> tuple[list[str], DeviceSamples | None]:
         sampled_ids, sampling_rows, row_ids = [], [], []
         for item, r in zip(ordered, rows):
@@ -282,7 +285,7 @@ class ModelRunner:
             return [], None
         if row_ids != list(range(logits.shape[0])):  # a copy of the logits only when rows are skipped
             logits = logits[values_to_device(row_ids, torch.long, logits.device)]
-        return sampled_ids, self.sampler.sample_on_device(logits, sampling_rows)
+        return sampled_ids, self.sampler.sample_on_device(logits, sampling_rows, _row_masks(sampled_ids, masks))
 
     def _prompt_logprobs(
         self, ordered: list[SequenceWork], rows: list[_LogitRows], logits: torch.Tensor
@@ -296,3 +299,14 @@ class ModelRunner:
             count = item.params.prompt_logprobs or 0
             results.append(_PromptLogprobs(item.request_id, count, LogprobTensors.of(logprobs, targets, count)))
         return results
+
+
+def _row_masks(sampled_ids: list[str], masks: TokenMasks | None) -> RowMasks | None:
+    """The bitmasks of the rows whose requests are constrained (a request samples one row a
+    step when constrained: a grammar cannot check draft tokens it has not accepted)."""
+    if masks is None:
+        return None
+    rows = [row for row, request_id in enumerate(sampled_ids) if masks.constrained(request_id)]
+    if not rows:
+        return None
+    return RowMasks(tuple(rows), masks.fill([sampled_ids[row] for row in rows]))

@@ -12,11 +12,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kestrel.core.batch import values_to_device
+from kestrel.core.batch import host_to_device, values_to_device
 from kestrel.core.parallel import TensorParallel
 from kestrel.sampling_params import SamplingParams
 
@@ -46,6 +47,37 @@ class TokenLogprobs:
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None
+
+
+class TokenMasks(Protocol):
+    """Which tokens each constrained request may sample next (a grammar's allowed tokens), as
+    bitmasks filled on the host. The runner asks once it has queued the forward pass, so the
+    host fills them while the device computes the logits."""
+
+    def constrained(self, request_id: str) -> bool: ...
+
+    def fill(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """int32 [len(request_ids), ceil(vocab / 32)] on the host; bit j of word i allows token 32i + j."""
+        ...
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """Bitmasks (as `TokenMasks.fill` makes them) for some rows of a step's logits."""
+
+    rows: tuple[int, ...]
+    bitmasks: torch.Tensor
+
+
+def apply_token_bitmasks(logits: torch.Tensor, masks: RowMasks) -> torch.Tensor:
+    """Set every token a row's bitmask does not allow to -inf, in place."""
+    device = logits.device
+    words = host_to_device(masks.bitmasks, device)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    index = values_to_device(list(masks.rows), torch.long, device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -281,18 +313,26 @@ class Sampler:
         rows = {request_id: row for row, request_id in enumerate(sampled_ids)}
         self.last = LastSamples(rows, tokens) if rows else None
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: RowMasks | None = None
+    ) -> list[SampledToken]:
         """`logits` [rows, vocab] in float32, straight from the model; waits for the device."""
-        samples = self.sample_on_device(logits, rows)
+        samples = self.sample_on_device(logits, rows, masks)
         return samples.package([t.cpu() for t in samples.tensors()])
 
-    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSamples:
-        """Queue the draws without waiting for the device (host-side uniforms included)."""
+    def sample_on_device(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: RowMasks | None = None
+    ) -> DeviceSamples:
+        """Queue the draws without waiting for the device (host-side uniforms included).
+        `masks` (a grammar's allowed tokens) apply first, before bias, penalties and filters."""
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = logits.log_softmax(dim=-1)
+        if masks is not None:
+            logits = apply_token_bitmasks(logits.clone(), masks)
         if any(row.params.constrains_tokens or row.params.uses_penalties for row in rows):
-            logits = apply_penalties(apply_token_constraints(logits.clone(), rows), rows)
+            owned = logits if masks is not None else logits.clone()  # never change the model's logits
+            logits = apply_penalties(apply_token_constraints(owned, rows), rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if len(random_rows) == len(rows):
             tokens = self._draw(logits, rows)

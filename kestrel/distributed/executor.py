@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from kestrel.config import EngineArgs
 from kestrel.core.runner import LaunchedStep, ModelRunner, SequenceWork, StepOutput
+from kestrel.core.sampling import TokenMasks
 from kestrel.distributed.group import GroupAddress, rank_args
 
 READY_TIMEOUT_S = 600.0
@@ -154,15 +155,15 @@ class TensorParallelExecutor(ABC):
     @abstractmethod
     def stop_workers(self) -> None: ...
 
-    def launch(self, work: Sequence[SequenceWork]) -> _GuardedStep:
+    def launch(self, work: Sequence[SequenceWork], masks: TokenMasks | None = None) -> _GuardedStep:
         """Send the step to the workers and launch it here. Steps may overlap as on one rank:
         tokens rank 0 sampled reach the workers by a device broadcast
-        (`Sampler.share_last`)."""
+        (`Sampler.share_last`). Only rank 0 samples, so only it reads `masks`."""
 
         def step() -> LaunchedStep:
             self.raise_if_failed()
             self.send(list(work))
-            return self.runner.launch(work)
+            return self.runner.launch(work, masks)
 
         return _GuardedStep(self.guarded(step), self)
 
@@ -242,8 +243,8 @@ class LocalExecutor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def launch(self, work: Sequence[SequenceWork]) -> LaunchedStep:
-        return self.runner.launch(work)
+    def launch(self, work: Sequence[SequenceWork], masks: TokenMasks | None = None) -> LaunchedStep:
+        return self.runner.launch(work, masks)
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)

@@ -15,6 +15,7 @@ reader can see those writes before it overwrites them.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -32,8 +33,13 @@ from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.output_shaping import OutputShaper
 from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.prefix_reuse import NO_HIT, PrefixHit, PrefixReuse
+from kestrel.engine.reasoning import reasoning_format
 from kestrel.engine.request import Request, RequestStatus
+from kestrel.engine.structured_outputs import GrammarCache, StructuredOutputs
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("kestrel.engine")
+GRAMMAR_WAIT_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,19 @@ class LLMEngine:
         self._swap = HostSwap(self.parts.groups) if args.preemption_mode == "swap" else None
         self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
         self._in_flight: _InFlightStep | None = None
+        self.structured = self._structured_outputs(args)
+
+    def _structured_outputs(self, args: EngineArgs) -> StructuredOutputs | None:
+        """The matchers of constrained requests; None for a model without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        grammars = GrammarCache(self.tokenizer, self.parts.spec.vocab_size, self.parts.eos_token_ids)
+        end = (
+            ()
+            if args.reasoning_parser is None
+            else reasoning_format(args.reasoning_parser).end_token_ids(self.tokenizer)
+        )
+        return StructuredOutputs(grammars, end)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -95,6 +114,10 @@ class LLMEngine:
             raise ValueError("the engine runs one sequence per request; fan n > 1 out into requests")
         params = self._with_bad_words_tokenized(params)
         self.validate_prompt(prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured outputs need a tokenizer; this model has none")
+            self.structured.add(request_id, params.structured_outputs, prompt_token_ids)
         max_tokens = resolve_max_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len, strict=False)
         detokenizer = None
         if self.tokenizer is not None:
@@ -125,7 +148,7 @@ class LLMEngine:
         return bool(self._waiting or self._running or self._in_flight)
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
+        outputs = self._fail_broken_grammars()
         if self._in_flight is not None and self._needs_host_tokens():
             outputs += self._read_in_flight()
         kv = self.parts.kv
@@ -134,13 +157,31 @@ class LLMEngine:
         self._apply(plan)
         work = [self._work_for(chunk) for chunk in plan.scheduled]
         requests = {chunk.request_id: self._requests[chunk.request_id] for chunk in plan.scheduled}
-        launched = self.parts.executor.launch(work) if work else None
+        masks = self.structured if self.structured else None
+        launched = self.parts.executor.launch(work, masks) if work else None
         outputs += self._read_in_flight()  # the previous step's results, while this one runs
         if launched is not None:
             self._in_flight = _InFlightStep(requests, launched)
             if not self._overlap:
                 outputs += self._read_in_flight()
+        elif not outputs and self.structured:
+            self.structured.wait_for_grammars(GRAMMAR_WAIT_SECONDS)  # nothing runs until one compiles
         return outputs
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Finish the waiting requests whose grammar failed to compile (it was checked when
+        the request came, so this is the compiler's fault, not the request's)."""
+        if not self.structured:
+            return []
+        broken = [r for r in self._waiting if self.structured.failed(r.request_id) is not None]
+        for request in broken:
+            logger.error(
+                "request %s: its grammar failed to compile: %s",
+                request.request_id,
+                self.structured.failed(request.request_id),
+            )
+            request.finish("abort")
+        return [self._retire(request) for request in broken]
 
     def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
         """Each bad word's token ids, as the word starts a text and as it follows a space (vLLM's rule)."""
@@ -158,8 +199,12 @@ class LLMEngine:
 
     def _needs_host_tokens(self) -> bool:
         """Whether the next step's work depends on results still on the device: penalties and
-        bad words read every output token, and prompt logprobs continue from the last chunk's."""
-        return any(r.params.needs_output_tokens or r.wants_prompt_logprobs for r in self._running)
+        bad words read every output token, a grammar's next mask follows the last token, and
+        prompt logprobs continue from the last chunk's."""
+        return any(
+            r.params.needs_output_tokens or r.wants_prompt_logprobs or r.params.structured_outputs is not None
+            for r in self._running
+        )
 
     def _read_in_flight(self) -> list[RequestOutput]:
         in_flight, self._in_flight = self._in_flight, None
@@ -173,13 +218,16 @@ class LLMEngine:
         # lookups are built (with hundreds waiting, that cost milliseconds per step).
         seats = max(0, self.parts.planner.config.max_num_seqs - len(self._running))
         # A request swapped out while its last sample was in flight waits for that token.
-        ready = (r for r in self._waiting if r.swapped is None or not r.num_pending_tokens)
+        ready = (r for r in self._waiting if (r.swapped is None or not r.num_pending_tokens) and self._grammar_ready(r))
         candidates = list(itertools.islice(ready, seats))
         self._prefix_hits = {r.request_id: self._prefix.match(r) for r in candidates}
         return QueueState(
             waiting=tuple(self._waiting_view(r) for r in candidates),
             running=tuple(self._view(r) for r in self._running if not self._ends_with_pending(r)),
         )
+
+    def _grammar_ready(self, request: Request) -> bool:
+        return request.params.structured_outputs is None or self.structured.is_ready(request.request_id)
 
     @staticmethod
     def _ends_with_pending(request: Request) -> bool:
@@ -301,7 +349,10 @@ class LLMEngine:
         if request.detokenizer is not None:
             new_text_len = len(request.detokenizer.push(token_id))
             request.text = request.detokenizer.text
+        grammar_open = self.structured is None or self.structured.accept(request.request_id, token_id)
         self._check_stop(request, token_id, new_text_len)
+        if not grammar_open and request.status is not RequestStatus.FINISHED:
+            request.finish("stop")  # the grammar is complete: nothing may follow
 
     def _check_stop(self, request: Request, token_id: int, new_text_len: int) -> None:
         params = request.params
@@ -330,6 +381,8 @@ class LLMEngine:
             self._waiting.remove(request)
         self._release_pages(request)
         self.parts.executor.release(request.request_id)
+        if self.structured is not None:
+            self.structured.remove(request.request_id)
         del self._requests[request.request_id]
         return self._output(request)
 
@@ -339,6 +392,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any; the engine cannot run steps afterwards."""
         self.parts.executor.shutdown()
+        if self.structured is not None:
+            self.structured.grammars.shutdown()
 
     def stats(self) -> EngineStats:
         kv = self.parts.kv

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from kestrel.config import KV_CACHE_DTYPES
+from kestrel.engine.reasoning import REASONING_PARSERS
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="hybrid models: copies of the recurrent state the prefix cache may keep (default: max-num-seqs)",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="a thinking model's reasoning markers: the server splits reasoning_content out, and "
+        "structured outputs apply after the reasoning",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
     # vLLM's flags: the same names as the offline API's vLLM arguments (engine/compat.py).
@@ -100,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         state_snapshot_interval=args.state_snapshot_interval,
         num_state_snapshots=args.num_state_snapshots,
+        reasoning_parser=args.reasoning_parser,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )

@@ -14,7 +14,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kestrel
-from kestrel.sampling_params import SamplingParams
+from kestrel.engine.reasoning import reasoning_format
+from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
 from kestrel.server.errors import BodySizeLimit, install_error_handlers
 from kestrel.server.formatting import chat_logprobs, legacy_logprobs, text_offsets, token_id_piece, usage
@@ -36,6 +37,9 @@ from kestrel.server.protocol import (
     TokenizeRequest,
     bad_request,
 )
+from kestrel.server.structured import checked_constraint
+from kestrel.server.tool_parsers import TOOL_CALL_PARSERS
+from kestrel.server.tools import ChatDeltas, ChatFormat, resolve_tool_choice, tool_constraint
 
 RETRY_AFTER_SECONDS = 1  # what a refused request's Retry-After says: the queue moves every step
 
@@ -51,6 +55,8 @@ class ServerSettings:
     max_request_body_bytes: int = 32 << 20
     model_aliases: tuple[str, ...] = ()  # further names requests may use (--served-model-name a b)
     max_logprobs: int = 20
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" works
+    reasoning_parser: str | None = None
 
 
 class ServerState:
@@ -62,6 +68,9 @@ class ServerState:
         self.tokenizer = tokenizer
         self.metrics = ServerMetrics(settings.served_model_name)
         self.draining = False
+        parser = settings.tool_call_parser
+        self.tool_parser = TOOL_CALL_PARSERS[parser]() if parser is not None else None
+        self.reasoning = reasoning_format(settings.reasoning_parser) if settings.reasoning_parser else None
 
     @property
     def max_model_len(self) -> int:
@@ -237,7 +246,13 @@ def _generation(state: ServerState, body: SamplingFields, prompts: list[Prepared
 
 
 def _sampling(
-    body: SamplingFields, requested_max: int | None, state: ServerState, prompt_param: str, **logprob_args: Any
+    body: SamplingFields,
+    requested_max: int | None,
+    state: ServerState,
+    prompt_param: str,
+    constraint: StructuredOutputsParams | None = None,
+    keep_special_tokens: bool = False,
+    **logprob_args: Any,
 ) -> Any:
     def params_for(prompt_len: int):
         max_tokens = resolve_max_tokens(requested_max, prompt_len, state.max_model_len, prompt_param)
@@ -251,7 +266,9 @@ def _sampling(
         except ValueError as error:
             raise bad_request(str(error), _named_field(str(error), body)) from None
         _check_named_token_ids(params, state.client.info.vocab_size)
-        return params
+        if keep_special_tokens:  # tool-call markers that are special tokens must stay in the text
+            params = params.replace(skip_special_tokens=False)
+        return params.replace(structured_outputs=constraint)
 
     return params_for
 
@@ -264,8 +281,9 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens must be at least 1 unless echo is set", "max_tokens")
+    constraint = await checked_constraint(body)
     params_for = _sampling(
-        body, body.max_tokens, state, "prompt", logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+        body, body.max_tokens, state, "prompt", constraint, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
     generation = _generation(state, body, prompts, params_for)
     if body.stream:
@@ -352,7 +370,11 @@ async def _completion_chunks(
 
 
 async def _chat_prompt(
-    state: ServerState, messages: list, add_generation_prompt: bool, template_kwargs: dict | None = None
+    state: ServerState,
+    messages: list,
+    add_generation_prompt: bool,
+    template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> PreparedPrompt:
     if state.tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
@@ -361,6 +383,7 @@ async def _chat_prompt(
         text = await asyncio.to_thread(
             state.tokenizer.apply_chat_template,
             conversation,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **(template_kwargs or {}),
@@ -374,32 +397,41 @@ async def _chat_prompt(
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(body.model)
-    prompt = await _chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    choice = resolve_tool_choice(body, state.tool_parser)
+    chat = ChatFormat(choice, state.tool_parser, state.reasoning)
+    constraint = await checked_constraint(body, tool_constraint(choice, body.tools or [], body.parallel_tool_calls))
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    prompt = await _chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested == 0:
         raise bad_request("max_tokens must be at least 1", "max_tokens")
-    params_for = _sampling(body, requested, state, "messages", logprobs=logprobs, prompt_logprobs=None)
+    keep_special = choice.mode == "auto" and state.tool_parser.keeps_special_tokens
+    params_for = _sampling(
+        body, requested, state, "messages", constraint, keep_special, logprobs=logprobs, prompt_logprobs=None
+    )
     generation = _generation(state, body, [prompt], params_for)
     if body.stream:
-        return _sse(_chat_chunks(state, body, generation))
+        return _sse(_chat_chunks(state, body, generation, chat))
     results = await _collect(generation, request)
     if results is None:
         return Response(status_code=499)
-    choices = [
-        {
-            "index": r.index,
-            "message": {"role": "assistant", "content": r.text},
-            "logprobs": chat_logprobs(r.token_ids, r.logprobs, logprobs, _piece(state, body), state.tokenizer)
-            if body.logprobs
-            else None,
-            "finish_reason": r.finish_reason,
-            "stop_reason": r.stop_reason,
-        }
-        for r in results
-    ]
+    choices = []
+    for r in results:
+        message = chat.message(r.text)
+        choices.append(
+            {
+                "index": r.index,
+                "message": message,
+                "logprobs": chat_logprobs(r.token_ids, r.logprobs, logprobs, _piece(state, body), state.tokenizer)
+                if body.logprobs
+                else None,
+                "finish_reason": _chat_finish_reason(r.finish_reason, bool(message.get("tool_calls"))),
+                "stop_reason": r.stop_reason,
+            }
+        )
     return JSONResponse(
         {
             "id": f"chatcmpl-{generation.request_id}",
@@ -412,7 +444,14 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     )
 
 
-async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[dict]:
+def _chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" where the model stopped after calling tools."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+
+
+async def _chat_chunks(
+    state: ServerState, body: ChatCompletionRequest, generation: Generation, chat: ChatFormat
+) -> AsyncIterator[dict]:
     for index in range(generation.num_choices):
         yield _chunk(
             state,
@@ -427,6 +466,7 @@ async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, generati
         )
     completion_tokens = 0
     count = body.top_logprobs or 0
+    streams = [ChatDeltas(chat) for _ in range(generation.num_choices)]
     async for index, delta in generation.stream():
         completion_tokens += len(delta.new_token_ids)
         logprobs = None
@@ -434,7 +474,10 @@ async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, generati
             logprobs = chat_logprobs(
                 delta.new_token_ids, delta.new_logprobs or [], count, _piece(state, body), state.tokenizer
             )
-        content = {"content": delta.new_text} if delta.new_text or delta.finish_reason is None else {}
+        finished = delta.finish_reason is not None
+        content = streams[index].push(delta.new_text, final=finished)
+        if not content and not finished:
+            content = {"content": ""}  # text held back (a marker may be starting): one chunk per step still
         yield _chunk(
             state,
             generation,
@@ -443,7 +486,7 @@ async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, generati
                 "index": index,
                 "delta": content,
                 "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
+                "finish_reason": _chat_finish_reason(delta.finish_reason, streams[index].num_calls > 0),
                 "stop_reason": delta.stop_reason,
             },
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kestrel.sampling_params import MAX_LOGPROBS
+from kestrel.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,17 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--disable-log-requests", action="store_true", help="no info line per finished request (id, lengths, time)"
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="the format the model writes tool calls in",
     )
     parser.add_argument(
         "--disable-log-stats", action="store_true", help="no periodic engine stats (running, waiting, KV, tokens/s)"

@@ -44,16 +44,8 @@ def _unset(value: Any) -> bool:
 
 # Field -> whether a value asks for nothing (then it is accepted). Anything else is a 400.
 NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: _unset(v) or (isinstance(v, dict) and v.get("type") == "text"),
-    "tools": _unset,
-    "tool_choice": lambda v: _unset(v) or v == "none",
     "best_of": lambda v: v is None or v == 1,
-    "structured_outputs": _unset,
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
-    "guided_decoding_backend": _unset,
+    "guided_whitespace_pattern": _unset,
     "priority": lambda v: v is None or v == 0,
 }
 
@@ -90,6 +82,14 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # What the output must match (server/structured.py): OpenAI's field, then vLLM's.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -201,6 +201,29 @@ def _json(function: ToolCallFunction) -> Any:
         raise bad_request(f"tool call {function.name!r}: arguments are not valid JSON", "messages") from None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -209,6 +232,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):

@@ -107,6 +107,8 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         max_num_seqs=engine_args.max_num_seqs,
         log_requests=not args.disable_log_requests,
         max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=engine_args.reasoning_parser,
     )
     state = ServerState(settings, client, tokenizer)
     app = build_app(state)

@@ -113,10 +113,10 @@ class StepLog:
         executor = llm.engine.parts.executor
         launch = executor.launch
 
-        def recording_launch(work):
+        def recording_launch(work, masks=None):
             index = sum(event.startswith("launch") for event in self.events)
             self.events.append(f"launch {index}")
-            pending = launch(work)
+            pending = launch(work, masks)
             result = pending.result
 
             def recording_result():
@@ -170,10 +170,10 @@ def test_launching_a_step_never_waits_for_the_device(checkpoint_dir):
     executor = llm.engine.parts.executor
     launch = executor.launch
 
-    def launch_checked(work):
+    def launch_checked(work, masks=None):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(work)
+            return launch(work, masks)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
