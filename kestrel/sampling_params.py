@@ -43,8 +43,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, Mapping):  # canonical text: one cache entry per schema
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if isinstance(self.json, Mapping):  # as text (properties keep their order): the cache key
+            object.__setattr__(self, "json", json.dumps(self.json))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [name for name in _CONSTRAINTS if getattr(self, name) is not None]

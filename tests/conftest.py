@@ -54,6 +54,7 @@ SLOW_MODULES = {
     "tests/server/test_logging.py",
     "tests/server/test_hostile_input.py",
     "tests/server/test_server.py",
+    "tests/server/test_structured_outputs.py",
 }
 TRITON_MODULES = {
     "tests/core/test_triton_decode_splits.py",

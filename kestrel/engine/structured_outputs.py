@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ logger = logging.getLogger("kestrel.engine")
 
 COMPILE_THREADS = 2
 MAX_CACHED_GRAMMARS = 512
+MAX_JSON_WHITESPACE = 16  # deep enough for JSON indented eight levels by two spaces
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")  # xgrammar's "[01:24:21] /path/file.cc:94: "
 
 
@@ -39,13 +40,17 @@ class GrammarError(ValueError):
 def grammar_of(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     """The grammar a constraint stands for; raises GrammarError naming what is wrong.
     Needs no tokenizer, so the server checks requests with it before they reach the engine."""
-    any_whitespace = not spec.disable_any_whitespace
+    # JSON may be laid out freely (models write it indented), but in runs of at most
+    # MAX_JSON_WHITESPACE characters: unbounded, a small model can pad forever.
+    layout = dict(any_whitespace=not spec.disable_any_whitespace)
+    if not spec.disable_any_whitespace:
+        layout["max_whitespace_cnt"] = MAX_JSON_WHITESPACE
     try:
         if spec.kind == "json":
             schema = json.dumps(_bounded_strings_as_patterns(json.loads(spec.json)))
-            return xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
+            return xgrammar.Grammar.from_json_schema(schema, strict_mode=True, **layout)
         if spec.kind == "json_object":
-            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            return xgrammar.Grammar.from_json_schema('{"type": "object"}', **layout)
         if spec.kind == "regex":
             return xgrammar.Grammar.from_regex(spec.regex)
         if spec.kind == "choice":
@@ -186,7 +191,7 @@ class StructuredOutputs:
         """Block until one of the grammars being compiled is ready, or `timeout` seconds."""
         pending = [c.compiled for c in self._constraints.values() if not c.compiled.done()]
         if pending:
-            pending[0].exception(timeout)
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher by one generated token. False where the grammar is

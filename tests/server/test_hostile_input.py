@@ -79,12 +79,8 @@ def test_model_by_id_and_errors_name_their_field(server):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "required"),
         ("best_of", 3),
-        ("guided_json", {"type": "object"}),
-        ("structured_outputs", {"json": {"type": "object"}}),
+        ("guided_whitespace_pattern", " "),
         ("priority", 5),
     ],
 )
