@@ -62,6 +62,11 @@ class EngineStats:
     num_total_state_slots: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
+    structured_requests: int = 0  # requests with a structured-output constraint, so far
+    grammars_compiled: int = 0
+    grammar_compile_seconds: float = 0.0  # on the compile threads, all grammars so far
+    grammar_mask_steps: int = 0  # steps that filled token masks, and the host time it took
+    grammar_mask_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -408,4 +413,17 @@ class LLMEngine:
             num_total_state_slots=self.parts.recurrent.num_slots if self.parts.recurrent else 0,
             prefix_cache_queries=self._prefix.queried_tokens,
             prefix_cache_hits=self._prefix.hit_tokens,
+            **self._structured_stats(),
+        )
+
+    def _structured_stats(self) -> dict[str, int | float]:
+        structured = self.structured
+        if structured is None:
+            return {}
+        return dict(
+            structured_requests=structured.num_requests,
+            grammars_compiled=structured.grammars.num_compiled,
+            grammar_compile_seconds=structured.grammars.compile_seconds,
+            grammar_mask_steps=structured.num_mask_steps,
+            grammar_mask_seconds=structured.mask_seconds,
         )

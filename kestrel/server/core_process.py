@@ -77,6 +77,10 @@ def _stats(engine: LLMEngine) -> CoreStats:
         stats.num_total_pages,
         stats.prefix_cache_queries,
         stats.prefix_cache_hits,
+        stats.structured_requests,
+        stats.grammars_compiled,
+        stats.grammar_compile_seconds,
+        stats.grammar_mask_seconds,
     )
 
 

@@ -71,6 +71,10 @@ class CoreStats:
     num_total_pages: int
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative tokens reused
+    structured_requests: int = 0  # cumulative requests with a structured-output constraint
+    grammars_compiled: int = 0  # cumulative, and the seconds they took on the compile threads
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_seconds: float = 0.0  # cumulative host time filling token masks
 
     @property
     def kv_cache_usage(self) -> float:

@@ -38,6 +38,9 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"kestrel:{name}", doc, labels, registry=self.registry)
 
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kestrel:{name}", doc, labels, registry=self.registry)
+
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(f"kestrel:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
@@ -70,6 +73,13 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._seen_queries = self._seen_hits = 0
+        self._totals = {  # CoreStats' running totals of structured outputs, as counters
+            "structured_requests": counter("structured_output_requests", "Requests with an output constraint."),
+            "grammars_compiled": counter("grammar_compilations", "Grammars compiled (cache misses)."),
+            "grammar_compile_seconds": counter("grammar_compile_seconds", "Time compiling grammars."),
+            "grammar_mask_seconds": counter("grammar_mask_seconds", "Host time filling grammar token masks."),
+        }
+        self._seen_totals = dict.fromkeys(self._totals, 0.0)
         # Plain running totals beside the counters, for the periodic stats line.
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
@@ -87,6 +97,10 @@ class ServerMetrics:
         self.prefix_queries.labels(label).inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
         self.prefix_hits.labels(label).inc(max(stats.prefix_cache_hits - self._seen_hits, 0))
         self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        for name, counter in self._totals.items():
+            total = getattr(stats, name)
+            counter.labels(label).inc(max(total - self._seen_totals[name], 0))
+            self._seen_totals[name] = total
 
     def render(self, stats: CoreStats) -> bytes:
         self.observe_stats(stats)

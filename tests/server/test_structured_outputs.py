@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -146,6 +147,21 @@ def test_vllm_fields_and_completions(client):
     )
     if response.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+def test_metrics_count_constrained_requests_and_compile_time(server, client):
+    client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, max_tokens=4, extra_body={"guided_regex": "[a-z]+"}
+    )
+    metrics = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{server.base_url}/metrics").text.splitlines()
+        if line.startswith("kestrel:") and MODEL in line
+    }
+    assert metrics["kestrel:structured_output_requests_total"] >= 1
+    assert metrics["kestrel:grammar_compilations_total"] >= 1
+    assert metrics["kestrel:grammar_compile_seconds_total"] > 0
+    assert metrics["kestrel:grammar_mask_seconds_total"] > 0
 
 
 def test_required_and_named_tool_choice_always_parse(client):
