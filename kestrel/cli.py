@@ -125,6 +125,11 @@ def add_commands(commands: Any) -> None:
 
     add_startup_bench_options(startup)
     startup.set_defaults(handler=run_startup_benchmark)
+    structured = kinds.add_parser("structured", help="every request JSON-schema constrained vs none")
+    from kestrel.bench.structured import add_structured_bench_options, run_structured_benchmark
+
+    add_structured_bench_options(structured)
+    structured.set_defaults(handler=run_structured_benchmark)
     serving = kinds.add_parser("serve", help="load an OpenAI-compatible server and measure latencies")
     from kestrel.bench.serve import add_serve_bench_options, run_serve_benchmark
 

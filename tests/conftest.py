@@ -55,6 +55,7 @@ SLOW_MODULES = {
     "tests/server/test_hostile_input.py",
     "tests/server/test_server.py",
     "tests/server/test_structured_outputs.py",
+    "tests/server/test_agent_apis.py",
 }
 TRITON_MODULES = {
     "tests/core/test_triton_decode_splits.py",

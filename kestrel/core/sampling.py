@@ -74,9 +74,11 @@ def apply_token_bitmasks(logits: torch.Tensor, masks: RowMasks) -> torch.Tensor:
     device = logits.device
     words = host_to_device(masks.bitmasks, device)
     bits = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    banned = ((words[:, :, None] >> bits) & 1).flatten(1)[:, : logits.shape[-1]] == 0
+    if len(masks.rows) == logits.shape[0]:  # every row constrained: no gather and scatter
+        return logits.masked_fill_(banned, float("-inf"))
     index = values_to_device(list(masks.rows), torch.long, device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))
     return logits
 
 

@@ -2,32 +2,34 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kestrel
-from kestrel.engine.reasoning import reasoning_format
-from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
-from kestrel.server.engine_client import EngineClient, EngineDeadError, RequestRejected
+from kestrel.server.engine_client import EngineDeadError, RequestRejected
 from kestrel.server.errors import BodySizeLimit, install_error_handlers
 from kestrel.server.formatting import chat_logprobs, legacy_logprobs, text_offsets, token_id_piece, usage
 from kestrel.server.generation import (
     ChoiceResult,
     Generation,
     PreparedPrompt,
-    resolve_max_tokens,
-    run_until_disconnect,
     validate_token_ids,
 )
-from kestrel.server.metrics import ServerMetrics
+from kestrel.server.messages_api import CountTokensRequest, MessagesRequest, count_tokens, create_message
+from kestrel.server.preparation import (
+    chat_prompt,
+    collect_results,
+    encode_text,
+    generation_for,
+    prepare_chat,
+    sampling_for,
+)
 from kestrel.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -37,72 +39,10 @@ from kestrel.server.protocol import (
     TokenizeRequest,
     bad_request,
 )
+from kestrel.server.responses_api import ResponsesRequest, create_response
+from kestrel.server.state import ServerState
 from kestrel.server.structured import checked_constraint
-from kestrel.server.tool_parsers import TOOL_CALL_PARSERS
-from kestrel.server.tools import ChatDeltas, ChatFormat, resolve_tool_choice, tool_constraint
-
-RETRY_AFTER_SECONDS = 1  # what a refused request's Retry-After says: the queue moves every step
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    served_model_name: str
-    model_path: str
-    api_key: str | None
-    max_queue_len: int
-    max_num_seqs: int
-    log_requests: bool = True
-    max_request_body_bytes: int = 32 << 20
-    model_aliases: tuple[str, ...] = ()  # further names requests may use (--served-model-name a b)
-    max_logprobs: int = 20
-    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" works
-    reasoning_parser: str | None = None
-
-
-class ServerState:
-    """What the routes share: the engine client, tokenizer, metrics and drain flag."""
-
-    def __init__(self, settings: ServerSettings, client: EngineClient, tokenizer: Any) -> None:
-        self.settings = settings
-        self.client = client
-        self.tokenizer = tokenizer
-        self.metrics = ServerMetrics(settings.served_model_name)
-        self.draining = False
-        parser = settings.tool_call_parser
-        self.tool_parser = TOOL_CALL_PARSERS[parser]() if parser is not None else None
-        self.reasoning = reasoning_format(settings.reasoning_parser) if settings.reasoning_parser else None
-
-    @property
-    def max_model_len(self) -> int:
-        return self.client.info.max_model_len
-
-    def piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def check_model(self, model: str | None) -> None:
-        names = (self.settings.served_model_name, *self.settings.model_aliases)
-        if model is not None and model not in names:
-            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-
-    def check_capacity(self, new_requests: int) -> None:
-        if self.draining:
-            raise ApiError(503, "the server is shutting down", "ServiceUnavailableError")
-        if not self.client.alive:
-            raise ApiError(503, f"the engine is not running: {self.client.dead_reason}", "ServiceUnavailableError")
-        limit = self.settings.max_num_seqs + self.settings.max_queue_len
-        if new_requests > limit:  # could never be admitted: retrying cannot help
-            raise bad_request(
-                f"the request asks for {new_requests} sequences (prompts x n); this server holds at most {limit}",
-                "n",
-            )
-        if self.client.num_in_flight + new_requests > limit:
-            raise ApiError(
-                429,
-                f"the server is overloaded: more than {limit} requests in flight; retry later",
-                "RateLimitError",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
-        self.client.reserve(new_requests)
+from kestrel.server.tools import ChatDeltas, ChatFormat
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -157,9 +97,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_model(body.model)
         if body.messages is not None:
-            tokens = (await _chat_prompt(state, body.messages, True)).token_ids
+            tokens = (await chat_prompt(state, body.messages, True)).token_ids
         elif body.prompt is not None:
-            tokens = await _encode(state, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+            tokens = await encode_text(state, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         else:
             raise bad_request("give either prompt or messages", "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
@@ -178,6 +118,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _chat(state, body, request)
 
+    @app.post("/v1/messages", dependencies=[Depends(require_key)])
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(state, body, request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(require_key)])
+    async def messages_count_tokens(body: CountTokensRequest) -> dict:
+        return await count_tokens(state, body)
+
+    @app.post("/v1/responses", dependencies=[Depends(require_key)])
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(state, body, request)
+
     return app
 
 
@@ -186,36 +138,7 @@ def _piece(state: ServerState, body: SamplingFields) -> Callable[[int], str]:
     return token_id_piece if body.return_tokens_as_token_ids else state.piece
 
 
-def _check_named_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    for name, ids in (
-        ("stop_token_ids", params.stop_token_ids),
-        ("logit_bias", params.logit_bias or ()),
-        ("allowed_token_ids", params.allowed_token_ids or ()),
-    ):
-        outside = [t for t in ids if t >= vocab_size]
-        if outside:
-            raise bad_request(f"{name} holds token ids out of range [0, {vocab_size}): {outside[:5]}", name)
-
-
-def _named_field(message: str, body: SamplingFields) -> str | None:
-    """The request field a sampling error names first ("temperature must be ..."), if any."""
-    first_word = message.split(" ", 1)[0]
-    return first_word if first_word in type(body).model_fields else None
-
-
 # ---- completions ----------------------------------------------------------------------------
-
-
-async def _encode(state: ServerState, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`, tokenized off the event loop (a megabyte-long prompt takes seconds,
-    and streams and health checks must not wait for it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise bad_request(
-            f"{param} is not valid Unicode text: {error.reason} at position {error.start}", param
-        ) from None
-    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
 async def _completion_prompts(state: ServerState, prompt: Any) -> list[PreparedPrompt]:
@@ -230,47 +153,11 @@ async def _completion_prompts(state: ServerState, prompt: Any) -> list[PreparedP
     prepared = []
     for item in prompts:
         if isinstance(item, str):
-            prepared.append(PreparedPrompt(await _encode(state, item, "prompt"), item))
+            prepared.append(PreparedPrompt(await encode_text(state, item, "prompt"), item))
         else:
             prepared.append(PreparedPrompt(list(item), None))
         validate_token_ids(prepared[-1].token_ids, state.client.info.vocab_size)
     return prepared
-
-
-def _generation(state: ServerState, body: SamplingFields, prompts: list[PreparedPrompt], params_for: Any) -> Generation:
-    params = None
-    for prompt in prompts:
-        params = params_for(len(prompt.token_ids))  # validates each prompt against the context window
-    state.check_capacity(len(prompts) * body.n)
-    return Generation(state.client, state.metrics, prompts, params, body.n, state.settings.log_requests)
-
-
-def _sampling(
-    body: SamplingFields,
-    requested_max: int | None,
-    state: ServerState,
-    prompt_param: str,
-    constraint: StructuredOutputsParams | None = None,
-    keep_special_tokens: bool = False,
-    **logprob_args: Any,
-) -> Any:
-    def params_for(prompt_len: int):
-        max_tokens = resolve_max_tokens(requested_max, prompt_len, state.max_model_len, prompt_param)
-        limit = state.settings.max_logprobs
-        for count in logprob_args.values():
-            if count is not None and count > limit:
-                field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-                raise bad_request(f"{field} {count} is above this server's limit of {limit} (--max-logprobs)", field)
-        try:
-            params = body.sampling_params(max_tokens, **logprob_args)
-        except ValueError as error:
-            raise bad_request(str(error), _named_field(str(error), body)) from None
-        _check_named_token_ids(params, state.client.info.vocab_size)
-        if keep_special_tokens:  # tool-call markers that are special tokens must stay in the text
-            params = params.replace(skip_special_tokens=False)
-        return params.replace(structured_outputs=constraint)
-
-    return params_for
 
 
 async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
@@ -282,13 +169,13 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens must be at least 1 unless echo is set", "max_tokens")
     constraint = await checked_constraint(body)
-    params_for = _sampling(
+    params_for = sampling_for(
         body, body.max_tokens, state, "prompt", constraint, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
-    generation = _generation(state, body, prompts, params_for)
+    generation = generation_for(state, body, prompts, params_for)
     if body.stream:
         return _sse(_completion_chunks(state, body, generation))
-    results = await _collect(generation, request)
+    results = await collect_results(generation, request)
     if results is None:
         return Response(status_code=499)
     choices = [_completion_choice(state, body, r) for r in results]
@@ -369,53 +256,12 @@ async def _completion_chunks(
 # ---- chat -----------------------------------------------------------------------------------
 
 
-async def _chat_prompt(
-    state: ServerState,
-    messages: list,
-    add_generation_prompt: bool,
-    template_kwargs: dict | None = None,
-    tools: list[dict] | None = None,
-) -> PreparedPrompt:
-    if state.tokenizer.chat_template is None:
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
-    conversation = [m.template_dict() for m in messages]
-    try:
-        text = await asyncio.to_thread(
-            state.tokenizer.apply_chat_template,
-            conversation,
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **(template_kwargs or {}),
-        )
-    except Exception as error:  # template errors are the request's fault (e.g. roles out of order)
-        raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
-    token_ids = await _encode(state, text, "messages", add_special_tokens=False)
-    validate_token_ids(token_ids, state.client.info.vocab_size)
-    return PreparedPrompt(token_ids, text)
-
-
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
-    state.check_model(body.model)
-    choice = resolve_tool_choice(body, state.tool_parser)
-    chat = ChatFormat(choice, state.tool_parser, state.reasoning)
-    constraint = await checked_constraint(body, tool_constraint(choice, body.tools or [], body.parallel_tool_calls))
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    prompt = await _chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if requested == 0:
-        raise bad_request("max_tokens must be at least 1", "max_tokens")
-    keep_special = choice.mode == "auto" and state.tool_parser.keeps_special_tokens
-    params_for = _sampling(
-        body, requested, state, "messages", constraint, keep_special, logprobs=logprobs, prompt_logprobs=None
-    )
-    generation = _generation(state, body, [prompt], params_for)
+    prepared = await prepare_chat(state, body)
+    prompt, generation, chat, logprobs = prepared.prompt, prepared.generation, prepared.chat, prepared.logprobs
     if body.stream:
         return _sse(_chat_chunks(state, body, generation, chat))
-    results = await _collect(generation, request)
+    results = await collect_results(generation, request)
     if results is None:
         return Response(status_code=499)
     choices = []
@@ -512,15 +358,6 @@ def _chunk(
     if usage_ is not None:
         body["usage"] = usage_
     return body
-
-
-async def _collect(generation: Generation, request: Request) -> list[ChoiceResult] | None:
-    try:
-        return await run_until_disconnect(generation.collect(), request.is_disconnected)
-    except RequestRejected as error:
-        raise bad_request(str(error)) from None
-    except EngineDeadError as error:
-        raise ApiError(503, str(error), "ServiceUnavailableError") from None
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

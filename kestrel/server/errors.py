@@ -32,21 +32,42 @@ class BodySizeLimit:
         await self.app(scope, receive, send)
 
 
+# Anthropic's error types by status, for the Messages API's routes.
+ANTHROPIC_ERRORS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    """The error in the shape its route's clients read: Anthropic's under /v1/messages, else OpenAI's."""
+    body = error.body()
+    if "/v1/messages" in request.url.path:
+        kind = ANTHROPIC_ERRORS.get(error.status, "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": error.message}}
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error_response(request, error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        # Unknown routes, wrong methods, unreadable bodies: the framework's errors, OpenAI's shape.
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes, wrong methods, unreadable bodies: the framework's errors, in the API's shape.
         kinds = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
-        body = ApiError(error.status_code, str(error.detail), kinds.get(error.status_code, "BadRequestError")).body()
-        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+        kind = kinds.get(error.status_code, "BadRequestError")
+        headers = getattr(error, "headers", None)
+        return error_response(request, ApiError(error.status_code, str(error.detail), kind, headers=headers))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         location = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
         message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in error.errors())
-        return JSONResponse(bad_request(message or "invalid request", location).body(), status_code=400)
+        return error_response(request, bad_request(message or "invalid request", location))

@@ -21,8 +21,9 @@ import uvicorn
 from fastapi.middleware.cors import CORSMiddleware
 
 from kestrel.config import EngineArgs
-from kestrel.server.app import ServerSettings, ServerState, build_app
+from kestrel.server.app import build_app
 from kestrel.server.engine_client import EngineClient
+from kestrel.server.state import ServerSettings, ServerState
 from kestrel.server.stats_log import log_engine_stats
 from kestrel.weights.checkpoint import load_tokenizer_from, open_checkpoint
 

@@ -80,6 +80,7 @@ class ChatFormat:
     choice: ToolChoice = NO_TOOLS
     parser: ToolCallParser | None = None
     reasoning: ReasoningFormat | None = None
+    parallel_calls: bool = True  # False: only the first call the parser finds counts
 
     def message(self, text: str) -> dict[str, Any]:
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
@@ -100,7 +101,7 @@ class ChatFormat:
             return ("", calls) if calls else ("" if not final else content, ())
         if mode == "auto":
             parsed = self.parser.parse(content, final)
-            return parsed.content, parsed.tool_calls
+            return parsed.content, parsed.tool_calls if self.parallel_calls else parsed.tool_calls[:1]
         return content, ()
 
 

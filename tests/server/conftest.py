@@ -120,3 +120,32 @@ def server(server_model):
     process = ServerProcess(server_model, "--max-num-batched-tokens", "256", "--page-size", "8")
     yield process
     process.stop()
+
+
+SMOLLM2 = "smollm2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """The demo model served with tool calling on (hermes format), shared by the modules that
+    need real text: structured outputs, tools, the Responses and Messages APIs."""
+    from kestrel.demo import smollm2_gguf
+
+    try:
+        model = smollm2_gguf()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    process = ServerProcess(
+        model,
+        "--served-model-name",
+        SMOLLM2,
+        "--max-num-seqs",
+        "64",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        api_key=None,
+        name_flag=False,
+    )
+    yield process
+    process.stop()

@@ -13,11 +13,10 @@ import jsonschema
 import openai
 import pytest
 
-from kestrel.demo import smollm2_gguf
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import SMOLLM2
 from tests.server.schemas import SCHEMAS
 
-MODEL = "smollm2"
+MODEL = SMOLLM2
 WEATHER = {
     "type": "function",
     "function": {
@@ -46,25 +45,8 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    try:
-        model = smollm2_gguf()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    process = ServerProcess(
-        model,
-        "--served-model-name",
-        MODEL,
-        "--max-num-seqs",
-        "64",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        api_key=None,
-        name_flag=False,
-    )
-    yield process
-    process.stop()
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture()
@@ -167,7 +149,13 @@ def test_metrics_count_constrained_requests_and_compile_time(server, client):
 def test_required_and_named_tool_choice_always_parse(client):
     for seed in range(3):
         response = client.chat.completions.create(
-            model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", max_tokens=120, seed=seed
+            model=MODEL,
+            messages=ASK_WEATHER,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=seed > 0,  # parallel: a list of calls, which a small model may not end
+            max_tokens=200,
+            seed=seed,
         )
         choice = response.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls

@@ -80,6 +80,11 @@ def test_a_message_with_calls_has_no_content_and_its_reasoning_apart():
     assert names_and_arguments_of(required) == [("get", {"city": "Rome"})]
 
 
+def test_without_parallel_calls_only_the_first_counts():
+    chat = ChatFormat(ToolChoice("auto"), HermesParser(), parallel_calls=False)
+    assert [c["function"]["name"] for c in chat.message(HERMES)["tool_calls"]] == ["get"]
+
+
 def names_and_arguments_of(message: dict) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
 
