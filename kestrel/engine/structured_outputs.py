@@ -108,7 +108,7 @@ class GrammarCache:
         if the constraint is invalid)."""
         key = spec.cache_key()
         future = self._compiled.get(key)
-        if future is None:
+        if future is None or (future.done() and future.exception() is not None):  # a failure is not kept
             future = self._pool.submit(self._compile, grammar_of(spec))
             self._compiled[key] = future
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
@@ -117,8 +117,9 @@ class GrammarCache:
         return future
 
     def _compile(self, grammar: xgrammar.Grammar) -> Any:
+        compiler = self._vocabulary_compiler()
         start = time.perf_counter()
-        compiled = self._vocabulary_compiler().compile_grammar(grammar)
+        compiled = compiler.compile_grammar(grammar)
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - start

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import SMOLLM2
+from tests.server.conftest import SMOLLM2, ServerProcess
 from tests.server.schemas import SCHEMAS
 
 MODEL = SMOLLM2
@@ -260,3 +260,24 @@ def test_bad_constraints_are_a_400_naming_the_field(client, fields, param, says)
     error = raised.value.body
     assert error["param"] == param and says in error["message"], error
     assert client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2).choices  # still serving
+
+
+def test_reasoning_content_is_split_out_streamed_or_not(server_model):
+    """deepseek_r1's format: an output is reasoning until `</think>`; the tiny random model
+    never writes it, so all of its (greedy) answer is reasoning, the same streamed or not, and
+    a grammar would only start after it."""
+    process = ServerProcess(server_model, "--reasoning-parser", "deepseek_r1", api_key=None)
+    try:
+        client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused")
+        request = dict(model="tiny-qwen3", messages=ASK_WEATHER, max_tokens=12, temperature=0)
+        message = client.chat.completions.create(**request).choices[0].message
+        reasoning = message.model_extra["reasoning_content"]
+        assert reasoning and "</think>" not in reasoning and not message.content
+        streamed = ""
+        for chunk in client.chat.completions.create(stream=True, **request):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            streamed += (delta.model_extra or {}).get("reasoning_content") or "" if delta else ""
+            assert not (delta and delta.content)
+        assert streamed == reasoning
+    finally:
+        process.stop()
