@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kestrel.engine.reasoning import reasoning_format
+from kestrel.engine.speculative import SpeculativeConfig
 
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names
@@ -50,6 +52,9 @@ class EngineArgs:
     # A thinking model's reasoning markers (vLLM's names: "qwen3", "deepseek_r1"): structured
     # output grammars apply after the reasoning, and the server splits `reasoning_content` out.
     reasoning_parser: str | None = None
+    # Speculative decoding, as vLLM spells it: a SpeculativeConfig, or its dict or JSON text
+    # ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}); parsed here.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -104,5 +109,7 @@ class EngineArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.reasoning_parser is not None:
             reasoning_format(self.reasoning_parser)  # an unknown name fails here, naming the known ones

@@ -38,7 +38,6 @@ DEFAULT_ONLY = {
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "cpu_offload_gb": 0,
-    "speculative_config": None,
     "hf_overrides": None,
     "kv_transfer_config": None,
     "enable_lora": False,

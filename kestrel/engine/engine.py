@@ -25,7 +25,7 @@ from kestrel.config import EngineArgs
 from kestrel.core.batch import KV_GROUP
 from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChunk, StepPlan
 from kestrel.core.runner import PendingStep, SequenceResult, SequenceWork
-from kestrel.core.sampling import TokenLogprobs
+from kestrel.core.sampling import SampledToken, TokenLogprobs
 from kestrel.core.transfer import HostSwap
 from kestrel.engine.admission import check_prompt_tokens, resolve_max_tokens
 from kestrel.engine.composition import EngineParts, build_engine_parts
@@ -35,6 +35,7 @@ from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.prefix_reuse import NO_HIT, PrefixHit, PrefixReuse
 from kestrel.engine.reasoning import reasoning_format
 from kestrel.engine.request import Request, RequestStatus
+from kestrel.engine.speculative import Speculation, SpeculationStats, kept_samples
 from kestrel.engine.structured_outputs import GrammarCache, StructuredOutputs
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
@@ -67,6 +68,10 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0  # on the compile threads, all grammars so far
     grammar_mask_steps: int = 0  # steps that filled token masks, and the host time it took
     grammar_mask_seconds: float = 0.0
+    # Speculative decoding, since start (vLLM's spec_decode counters).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -86,6 +91,23 @@ class LLMEngine:
         self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
         self._in_flight: _InFlightStep | None = None
         self.structured = self._structured_outputs(args)
+        self.speculation = self._speculation(args)
+        if self.speculation is not None:
+            # Drafts follow the last accepted token, so each step's results are read before
+            # the next is planned.
+            self._overlap = False
+
+    def _speculation(self, args: EngineArgs) -> Speculation | None:
+        if args.speculative_config is None:
+            return None
+        if self.parts.recurrent is not None:
+            # Its recurrent state folds every token in, so a rejected draft could only be
+            # undone by recomputing the whole sequence; per-token state copies come first.
+            raise ValueError(
+                "speculative decoding does not support hybrid (linear-attention) models yet: "
+                f"{self.parts.spec.architecture} keeps recurrent state"
+            )
+        return Speculation(args.speculative_config)
 
     def _structured_outputs(self, args: EngineArgs) -> StructuredOutputs | None:
         """The matchers of constrained requests; None for a model without a tokenizer."""
@@ -157,6 +179,8 @@ class LLMEngine:
         if self._in_flight is not None and self._needs_host_tokens():
             outputs += self._read_in_flight()
         kv = self.parts.kv
+        if self.speculation is not None:
+            self._draft()
         self._prefix.begin_step()
         plan = self.parts.planner.plan(self._queue_state(), Capacity(kv.free_capacity(), kv.spec.page_size))
         self._apply(plan)
@@ -172,6 +196,18 @@ class LLMEngine:
         elif not outputs and self.structured:
             self.structured.wait_for_grammars(GRAMMAR_WAIT_SECONDS)  # nothing runs until one compiles
         return outputs
+
+    def _draft(self) -> None:
+        """Drafts for every running request that decodes next (its prompt computed, its last
+        token known); constrained requests decode one token at a time (a grammar cannot
+        check tokens it has not accepted)."""
+        for request in self._running:
+            request.draft_token_ids = ()
+            decodes = request.num_computed_tokens == request.num_tokens - 1 and not request.num_pending_tokens
+            if not decodes or request.params.structured_outputs is not None:
+                continue
+            room = request.max_tokens - request.num_output_tokens - 1  # the sample after the drafts
+            request.draft_token_ids = self.speculation.drafts_for(request.token_ids, room)
 
     def _fail_broken_grammars(self) -> list[RequestOutput]:
         """Finish the waiting requests whose grammar failed to compile (it was checked when
@@ -251,12 +287,14 @@ class LLMEngine:
 
     def _view(self, request: Request) -> RequestView:
         pages = len(self.parts.kv.held_by(request.request_id))
-        return RequestView(request.request_id, request.num_planned_tokens, request.num_computed_tokens, pages)
+        num_tokens = request.num_planned_tokens + len(request.draft_token_ids)
+        return RequestView(request.request_id, num_tokens, request.num_computed_tokens, pages)
 
     def _apply(self, plan: StepPlan) -> None:
         for request_id in plan.preempted:  # newest first, so the oldest ends up at the front
             request = self._requests[request_id]
             self._running.remove(request)
+            request.draft_token_ids = ()
             if self._swap is not None:
                 request.swapped = self._swap.export(request_id, request.num_computed_tokens)
                 self.num_swapped_out += 1
@@ -298,14 +336,16 @@ class LLMEngine:
         self._prefix.after_chunk(request, start, end, state_ids)
         pages = state_ids.pop(KV_GROUP)
         params = request.params
-        follows = end > request.num_tokens  # its last token is the pending one, on the device
-        sample = end == request.num_planned_tokens and request.max_tokens > 0
+        # A verify chunk: its drafts follow the last token (a chunk cut short checks fewer).
+        drafts = request.draft_token_ids = request.draft_token_ids[: max(0, end - request.num_tokens)]
+        follows = end > request.num_tokens and not drafts  # its last token is the pending one, on the device
+        sample = end >= request.num_planned_tokens and request.max_tokens > 0
         work = SequenceWork(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids[start:end]) + ((0,) if follows else ()),
+            token_ids=tuple(request.token_ids[start:end]) + (drafts if drafts else (0,) if follows else ()),
             num_cached_tokens=start,
             page_ids=tuple(pages),
-            num_samples=int(sample),
+            num_samples=int(sample) + len(drafts),
             params=params,
             seed=request.seed,
             prompt_token_ids=request.prompt_token_ids if params.needs_output_tokens else (),
@@ -315,7 +355,7 @@ class LLMEngine:
             follows_last_sample=follows,
         )
         request.num_computed_tokens = end
-        request.num_pending_tokens += sample
+        request.num_pending_tokens += work.num_samples
         return work
 
     def _prompt_logprob_targets(self, request: Request, start: int, end: int) -> tuple[int, ...]:
@@ -333,7 +373,10 @@ class LLMEngine:
                 continue  # finished (or aborted) while this step ran: its extra tokens are dropped
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(self.outputs.position_logprobs(lp) for lp in result.prompt_logprobs)
-            for sampled in result.sampled:
+            sampled_tokens = result.sampled
+            if request.draft_token_ids:
+                sampled_tokens = self._verified(request, sampled_tokens)
+            for sampled in sampled_tokens:
                 self._append_token(request, sampled.token_id, sampled.logprobs)
                 if request.status is RequestStatus.FINISHED:
                     break  # a stop: the samples after it are dropped
@@ -344,6 +387,21 @@ class LLMEngine:
             elif result.sampled and request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(request))
         return outputs
+
+    def _verified(self, request: Request, sampled: tuple[SampledToken, ...]) -> tuple[SampledToken, ...]:
+        """A verify chunk's samples that stand; the rejected drafts' state is rolled back."""
+        drafts, request.draft_token_ids = request.draft_token_ids, ()
+        kept = kept_samples([s.token_id for s in sampled], drafts)
+        accepted = kept - 1
+        self.speculation.stats.record(len(drafts), accepted)
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += accepted
+        # State stands for the last token and the accepted drafts; the kept sample after them
+        # is the next step's input.
+        request.num_computed_tokens = request.num_tokens + accepted
+        for group in self.parts.groups.values():
+            group.provider.rollback(request.request_id, request.num_computed_tokens)
+        return sampled[:kept]
 
     def _append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
         request.token_ids.append(token_id)
@@ -414,6 +472,7 @@ class LLMEngine:
             prefix_cache_queries=self._prefix.queried_tokens,
             prefix_cache_hits=self._prefix.hit_tokens,
             **self._structured_stats(),
+            **self._speculation_stats(),
         )
 
     def _structured_stats(self) -> dict[str, int | float]:
@@ -426,4 +485,14 @@ class LLMEngine:
             grammar_compile_seconds=structured.grammars.compile_seconds,
             grammar_mask_steps=structured.num_mask_steps,
             grammar_mask_seconds=structured.mask_seconds,
+        )
+
+    def _speculation_stats(self) -> dict[str, int]:
+        if self.speculation is None:
+            return {}
+        stats: SpeculationStats = self.speculation.stats
+        return dict(
+            spec_decode_num_drafts=stats.num_drafts,
+            spec_decode_num_draft_tokens=stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=stats.num_accepted_tokens,
         )

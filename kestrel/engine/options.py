@@ -68,6 +68,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="a thinking model's reasoning markers: the server splits reasoning_content out, and "
         "structured outputs apply after the reasoning",
     )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 5, "prompt_lookup_min": 2}',
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
     # vLLM's flags: the same names as the offline API's vLLM arguments (engine/compat.py).
@@ -109,6 +115,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         state_snapshot_interval=args.state_snapshot_interval,
         num_state_snapshots=args.num_state_snapshots,
         reasoning_parser=args.reasoning_parser,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )

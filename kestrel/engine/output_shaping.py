@@ -56,7 +56,12 @@ class OutputShaper:
             prompt_logprobs=prompt_logprobs,
             outputs=[completion],
             finished=request.status is RequestStatus.FINISHED,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time),
+            metrics=RequestMetrics(
+                request.arrival_time,
+                request.first_scheduled_time,
+                request.num_draft_tokens,
+                request.num_accepted_tokens,
+            ),
         )
 
     def _delta_output(self, request: Request) -> RequestOutput:

@@ -34,6 +34,9 @@ class CompletionOutput:
 class RequestMetrics:
     arrival_time: float  # time.monotonic() clock of the engine's process
     first_scheduled_time: float | None
+    # Speculative decoding: draft tokens checked for this request, and how many of them stood.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

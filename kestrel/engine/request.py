@@ -29,6 +29,10 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt then generated tokens
     num_computed_tokens: int = 0  # tokens whose KV is written, or queued to be by a launched step
     num_pending_tokens: int = 0  # sampled by a launched step whose results are not read yet
+    # Speculative decoding: tokens guessed to follow `token_ids`, checked by the next step.
+    draft_token_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 0  # drafts checked so far, and how many of them stood
+    num_accepted_tokens: int = 0
     swapped: TransferHandle | None = None  # its state in host memory while preempted by swap
     status: RequestStatus = RequestStatus.WAITING
     logprobs: list[PositionLogprobs] | None = None

@@ -81,6 +81,9 @@ def _stats(engine: LLMEngine) -> CoreStats:
         stats.grammars_compiled,
         stats.grammar_compile_seconds,
         stats.grammar_mask_seconds,
+        stats.spec_decode_num_drafts,
+        stats.spec_decode_num_draft_tokens,
+        stats.spec_decode_num_accepted_tokens,
     )
 
 

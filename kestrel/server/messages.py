@@ -75,6 +75,9 @@ class CoreStats:
     grammars_compiled: int = 0  # cumulative, and the seconds they took on the compile threads
     grammar_compile_seconds: float = 0.0
     grammar_mask_seconds: float = 0.0  # cumulative host time filling token masks
+    spec_decode_num_drafts: int = 0  # cumulative verify chunks, draft tokens, accepted drafts
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

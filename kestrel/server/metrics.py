@@ -78,6 +78,11 @@ class ServerMetrics:
             "grammars_compiled": counter("grammar_compilations", "Grammars compiled (cache misses)."),
             "grammar_compile_seconds": counter("grammar_compile_seconds", "Time compiling grammars."),
             "grammar_mask_seconds": counter("grammar_mask_seconds", "Host time filling grammar token masks."),
+            "spec_decode_num_drafts": counter("spec_decode_num_drafts", "Speculative verify chunks run."),
+            "spec_decode_num_draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens checked."),
+            "spec_decode_num_accepted_tokens": counter(
+                "spec_decode_num_accepted_tokens", "Draft tokens that matched the target model's samples."
+            ),
         }
         self._seen_totals = dict.fromkeys(self._totals, 0.0)
         # Plain running totals beside the counters, for the periodic stats line.

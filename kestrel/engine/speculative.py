@@ -1,0 +1,154 @@
+"""Speculative decoding: guess a request's next tokens cheaply, then check them all in one step.
+
+A decoding request with drafts d1..dk runs one verify chunk [last token, d1..dk]: the model
+computes k + 1 positions at once and the sampler draws one token from each position's
+distribution (the target model's, with the request's own sampling parameters). The engine
+keeps samples up to and including the first one that differs from its draft; where all k
+match, the (k + 1)-th sample comes free. The rejected drafts' state is rolled back.
+
+Why this leaves the output distribution exactly the target model's: every proposer here drafts
+deterministically (a point mass q on the draft d). Rejection sampling with such a q accepts d
+with probability min(1, p(d) / q(d)) = p(d) and otherwise samples from (p - q)+ normalised,
+which is p restricted to tokens other than d. Drawing x ~ p and accepting d when x == d does
+both at once: it accepts with probability p(d), and a rejection's x is distributed as p
+given x != d. Greedy sampling is the case p = one-hot: the longest matching prefix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+METHODS = ("ngram",)
+# vLLM's other method names: refused by name rather than run as something else.
+NOT_YET_SUPPORTED = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+DEFAULT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What `speculative_config` / `--speculative-config` asks for (vLLM's field names)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_YET_SUPPORTED:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported yet; supported: {', '.join(METHODS)}"
+            )
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative_config method {self.method!r}; supported: {', '.join(METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, "
+                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.model is not None:
+            raise ValueError(f"speculative_config method {self.method!r} takes no 'model'")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str) -> SpeculativeConfig:
+        """From a dict or its JSON text; unknown fields and missing required ones are errors."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"unknown speculative_config fields: {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+        fields = dict(value)
+        for name in ("method", "num_speculative_tokens"):
+            if fields.get(name) is None:
+                raise ValueError(f"speculative_config needs {name!r}")
+        low, high = fields.pop("prompt_lookup_min", None), fields.pop("prompt_lookup_max", None)
+        low = low if low is not None else (high if high is not None else DEFAULT_LOOKUP)
+        high = high if high is not None else low
+        return cls(prompt_lookup_min=low, prompt_lookup_max=high, **fields)
+
+
+class NgramProposer:
+    """Prompt lookup: where the sequence's last n tokens occurred before, the tokens that
+    followed then are the draft. The longest n in [min, max] that matches wins, and among its
+    matches the latest, whose continuation is the most likely to be repeated now."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            # Windows that start early enough to be followed by at least one token.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            starts = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(starts):
+                follow = int(starts[-1]) + n
+                return tuple(tokens[follow : follow + num_tokens].tolist())
+        return ()
+
+
+def kept_samples(samples: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many of a verify chunk's samples stand: those up to and including the first that
+    differs from its draft (each sample is the target's token after the drafts before it)."""
+    for index, draft in enumerate(drafts):
+        if samples[index] != draft:
+            return index + 1
+    return len(samples)
+
+
+@dataclass
+class SpeculationStats:
+    """Counts since start, named as vLLM's spec-decode metrics."""
+
+    num_drafts: int = 0  # verify chunks run
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position.extend([0] * (num_drafted - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify chunk yields on average: its accepted drafts plus the one sampled after."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculation:
+    """The engine's drafting policy: which requests draft, how many tokens, from what."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpeculationStats()
+
+    def drafts_for(self, token_ids: Sequence[int], room: int) -> tuple[int, ...]:
+        """Up to `room` (and the configured number of) draft tokens to follow `token_ids`."""
+        count = min(self.config.num_speculative_tokens, room)
+        return self.proposer.propose(token_ids, count) if count > 0 else ()

@@ -1,0 +1,220 @@
+"""Speculative decoding (n-gram prompt lookup): the configuration, the proposer, acceptance,
+and the engine's outputs, which must be exactly those of decoding one token at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.speculative import NgramProposer, SpeculationStats, SpeculativeConfig, kept_samples
+from tests.engine.test_async_scheduling import assert_same_outputs, generate
+from tests.engine.test_engine import assert_pool_balanced
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+# ---- configuration -----------------------------------------------------------------------
+
+
+def test_config_follows_vllm_defaults_and_json():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    assert SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": None}).prompt_lookup_min == 3
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}) == (
+        SpeculativeConfig("ngram", 2, 4, 4)
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+        ({"num_speculative_tokens": 2}, "needs 'method'"),
+        ({**NGRAM, "draft_tensor_parallel_size": 1}, "unknown speculative_config fields: draft_tensor_parallel_size"),
+        ({**NGRAM, "method": "eagle"}, "method 'eagle' is not supported yet"),
+        ({**NGRAM, "method": "lookahead"}, "unknown speculative_config method 'lookahead'"),
+        ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be in [1, 16]"),
+        ({**NGRAM, "prompt_lookup_min": 4}, "1 <= min <= max"),
+        ({**NGRAM, "model": "draft"}, "takes no 'model'"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_config_errors_name_what_is_wrong(value, message):
+    with pytest.raises(ValueError) as error:
+        SpeculativeConfig.parse(value)
+    assert message in str(error.value)
+
+
+# ---- proposing and accepting ---------------------------------------------------------------
+
+
+def test_ngram_takes_the_longest_suffix_match_then_the_latest():
+    proposer = NgramProposer(1, 3)
+    # "7 8 9" occurred once (followed by 1 2); "9" alone occurred later (followed by 5).
+    assert proposer.propose([7, 8, 9, 1, 2, 3, 9, 5, 6, 7, 8, 9], 3) == (1, 2, 3)
+    assert proposer.propose([4, 9, 5, 6, 9, 7, 0, 9], 2) == (7, 0)  # only "9" matches: the latest
+    assert proposer.propose([1, 2, 3, 4], 3) == ()  # nothing repeats
+    assert proposer.propose([5, 5], 4) == (5,)  # the continuation stops at the sequence's end
+    assert NgramProposer(2, 2).propose([1, 2, 3, 1, 4], 2) == ()  # a 1-gram match is below the minimum
+
+
+def test_kept_samples_stop_after_the_first_mismatch():
+    assert kept_samples([5, 6, 7, 8], [5, 6, 7]) == 4  # all drafts stand, plus the bonus sample
+    assert kept_samples([5, 9, 7, 8], [5, 6, 7]) == 2  # the correction replaces the second draft
+    assert kept_samples([1, 6, 7, 8], [5, 6, 7]) == 1
+
+
+def test_stats_count_per_position():
+    stats = SpeculationStats()
+    stats.record(4, 2)
+    stats.record(3, 3)
+    assert stats.accepted_per_position == [2, 2, 1, 0]
+    assert stats.acceptance_rate == 5 / 7 and stats.mean_acceptance_length == 3.5
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+def looping_prompts(count: int) -> list[dict]:
+    """Prompts that repeat a phrase: the n-gram proposer finds drafts in them at once."""
+    torch.manual_seed(5)
+    phrases = [torch.randint(20, 500, (int(torch.randint(3, 7, ()).item()),)).tolist() for _ in range(count)]
+    return [{"prompt_token_ids": phrase * 4 + phrase[:2]} for phrase in phrases]
+
+
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=19, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.3),
+    SamplingParams(temperature=0, max_tokens=15, ignore_eos=True, min_tokens=3, prompt_logprobs=1),
+    SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3"))
+    common = dict(device="cpu", max_num_batched_tokens=64, page_size=8)
+    plain = LLM(path, **common)
+    speculative = LLM(path, **common, speculative_config=NGRAM)
+    yield plain, speculative
+    plain.shutdown()
+    speculative.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3-moe"])
+def test_greedy_outputs_identical_with_speculation(family, checkpoint_dir):
+    path = str(checkpoint_dir(family))
+    batch = looping_prompts(5)
+    plain = generate(LLM(path, device="cpu"), batch, PARAMS)
+    llm = LLM(path, device="cpu", speculative_config=NGRAM)
+    assert_same_outputs(generate(llm, batch, PARAMS), plain)
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert_pool_balanced(llm)
+
+
+def test_verify_chunks_split_by_the_token_budget_and_stop_mid_draft(engines):
+    plain, speculative = engines
+    batch = looping_prompts(8)
+    expected = generate(plain, batch, PARAMS + PARAMS[:3])
+    assert_same_outputs(generate(speculative, batch, PARAMS + PARAMS[:3]), expected)
+    # A stop token inside an accepted run of drafts ends the output there.
+    free = plain.generate(batch[:3], PARAMS[0], use_tqdm=False)
+    stops = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[o.outputs[0].token_ids[9]]) for o in free]
+    assert_same_outputs(generate(speculative, batch[:3], stops), generate(plain, batch[:3], stops))
+    assert_pool_balanced(speculative)
+
+
+def test_request_metrics_count_drafts(engines):
+    _, speculative = engines
+    engine = speculative.engine
+    engine.add_request("m", looping_prompts(1)[0]["prompt_token_ids"], PARAMS[0])
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert final.metrics.num_draft_tokens > 0
+    assert 0 < final.metrics.num_accepted_tokens <= final.metrics.num_draft_tokens
+
+
+def test_preemption_under_speculation_keeps_outputs(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3"))
+    batch = looping_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
+    ample = LLM(path, device="cpu", page_size=8)
+    expected = generate(ample, batch, params)
+    # 6 requests x ~60 tokens need ~48 pages; the pool has 16 (drafts take pages too).
+    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
+    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=16 * page_bytes / 2**30, speculative_config=NGRAM)
+    preemptions = []
+    original = tight.engine._apply
+    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    assert_same_outputs(generate(tight, batch, params), expected)
+    assert preemptions, "the pool was meant to be too small for every request at once"
+    assert tight.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert_pool_balanced(tight)
+
+
+def test_hybrid_models_are_refused_with_a_clear_error(checkpoint_dir):
+    with pytest.raises(ValueError, match="does not support hybrid"):
+        LLM(str(checkpoint_dir("qwen3-next")), device="cpu", speculative_config=NGRAM)
+
+
+# ---- sampling: the target model's distribution, exactly ------------------------------------
+
+
+def peaked_checkpoint(source, directory):
+    """The tiny model with its output layer scaled up: its next-token distributions become
+    peaked but not one-hot, so at temperature 1 drafts are both accepted and rejected."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    return str(directory)
+
+
+def chi_square_p_value(first: list[int], second: list[int], min_count: int = 10) -> float:
+    """Two-sample chi-square test of equal distributions over tokens (equal sample sizes);
+    tokens seen fewer than `min_count` times in both samples together are pooled."""
+    tokens = sorted(set(first) | set(second))
+    counts = torch.tensor([[first.count(t), second.count(t)] for t in tokens], dtype=torch.float64)
+    rare = counts.sum(1) < min_count
+    counts = torch.cat([counts[~rare], counts[rare].sum(0, keepdim=True)])
+    counts = counts[counts.sum(1) > 0]
+    statistic = ((counts[:, 0] - counts[:, 1]) ** 2 / counts.sum(1)).sum()
+    df = len(counts) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
+
+
+def sampled_ids(llm: LLM, prompt: dict, params: list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
+
+
+def test_sampled_tokens_follow_the_target_distribution(checkpoint_dir, tmp_path):
+    path = peaked_checkpoint(checkpoint_dir("qwen3"), tmp_path)
+    llm = LLM(path, device="cpu", speculative_config=NGRAM)
+    # The model's own greedy continuation, which a tiny random model soon repeats in a cycle:
+    # the n-gram proposer then drafts what the model is likely to sample.
+    seed = looping_prompts(1)[0]["prompt_token_ids"]
+    greedy = llm.generate({"prompt_token_ids": seed}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    prompt = {"prompt_token_ids": seed + greedy[0].outputs[0].token_ids}
+    num_samples, length = 600, 6
+    params = [SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=s) for s in range(num_samples)]
+    plain = sampled_ids(LLM(path, device="cpu"), prompt, params)
+    speculated = sampled_ids(llm, prompt, params)
+    stats = llm.engine.stats()
+    # Both outcomes of a draft happen hundreds of times, so the test sees acceptance and rejection.
+    accepted = stats.spec_decode_num_accepted_tokens
+    assert accepted > 200 and stats.spec_decode_num_draft_tokens - accepted > 200
+    for position in range(1, length):  # position 0 comes from the prompt's step, not a verify
+        p_value = chi_square_p_value([t[position] for t in plain], [t[position] for t in speculated])
+        assert p_value > 1e-3, f"position {position}: the distributions differ (p = {p_value:.2g})"
+    # The test has the power to see a wrong distribution: the plain run at another temperature.
+    hotter = [SamplingParams(temperature=2.0, max_tokens=length, ignore_eos=True, seed=s) for s in range(num_samples)]
+    other = sampled_ids(llm, prompt, hotter)
+    assert chi_square_p_value([t[2] for t in plain], [t[2] for t in other]) < 1e-3
