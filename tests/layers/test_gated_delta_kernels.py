@@ -162,7 +162,9 @@ def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family
     from kestrel.core.recurrent_state import RECURRENT_GROUP
     from kestrel.models.hybrid import GatedDeltaNet
 
-    parts = LLM(str(checkpoint_dir(family)), page_size=8, max_num_seqs=4).engine.parts
+    # Built on the CPU in float32 (the layer then moves to DEVICE): on a GPU the engine would
+    # default to bfloat16 and size its pools from the whole device.
+    parts = LLM(str(checkpoint_dir(family)), device="cpu", dtype="float32", page_size=8, max_num_seqs=4).engine.parts
     layer = next(m for m in parts.runner.model.modules() if isinstance(m, GatedDeltaNet)).to(DEVICE)
     provider = parts.recurrent
     provider.device = torch.device(DEVICE)
