@@ -43,8 +43,15 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, Mapping):  # as text (properties keep their order): the cache key
+        # As compact text, the cache key: properties keep their order (the grammar writes them
+        # in that order), spacing does not count; invalid JSON text stays for the compiler to name.
+        if isinstance(self.json, Mapping):
             object.__setattr__(self, "json", json.dumps(self.json))
+        elif isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.dumps(json.loads(self.json)))
+            except ValueError:
+                pass
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [name for name in _CONSTRAINTS if getattr(self, name) is not None]

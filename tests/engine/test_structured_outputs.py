@@ -129,8 +129,10 @@ def test_params_take_exactly_one_constraint():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="non-empty list"):
         StructuredOutputsParams(choice=[])
-    same = StructuredOutputsParams(json={"b": 1, "a": 2}), StructuredOutputsParams(json='{"a": 2, "b": 1}')
+    same = StructuredOutputsParams(json={"b": 1, "a": 2}), StructuredOutputsParams(json='{"b":1,  "a": 2}')
     assert same[0].cache_key() == same[1].cache_key()  # one compiled grammar per schema
+    # Property order is the order the grammar writes them in: another order, another grammar.
+    assert same[0].cache_key() != StructuredOutputsParams(json={"a": 2, "b": 1}).cache_key()
 
 
 def test_bitmasks_leave_only_allowed_tokens():
