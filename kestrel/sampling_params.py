@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -48,10 +49,8 @@ class StructuredOutputsParams:
         if isinstance(self.json, Mapping):
             object.__setattr__(self, "json", json.dumps(self.json))
         elif isinstance(self.json, str):
-            try:
+            with contextlib.suppress(ValueError):
                 object.__setattr__(self, "json", json.dumps(json.loads(self.json)))
-            except ValueError:
-                pass
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
