@@ -167,9 +167,6 @@ class StructuredOutputs:
         self.num_requests = 0
         self.num_mask_steps = 0  # steps that filled masks, and the host time they took
         self.mask_seconds = 0.0
-        # Fills a step's masks on xgrammar's threads (one per core by default): at 64
-        # constrained requests one thread takes about a millisecond a step.
-        self._batch = xgrammar.BatchGrammarMatcher()
 
     def add(self, request_id: str, spec: StructuredOutputsParams, prompt_token_ids: Sequence[int]) -> None:
         """Start compiling the request's grammar; raises GrammarError for an invalid one."""
@@ -224,8 +221,10 @@ class StructuredOutputs:
     def fill(self, request_ids: Sequence[str]) -> torch.Tensor:
         start = time.perf_counter()
         bitmasks = xgrammar.allocate_token_bitmask(len(request_ids), self.grammars.vocab_size)
-        matchers = [self._constraints[request_id].matcher for request_id in request_ids]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmasks)
+        # One thread: xgrammar's BatchGrammarMatcher took 8.4 ms a step for 64 requests on
+        # the H200's host where this loop takes 1.2 ms.
+        for row, request_id in enumerate(request_ids):
+            self._constraints[request_id].matcher.fill_next_token_bitmask(bitmasks, row)
         self.num_mask_steps += 1
         self.mask_seconds += time.perf_counter() - start
         return bitmasks
