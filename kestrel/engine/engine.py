@@ -19,7 +19,10 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from kestrel.config import EngineArgs
 from kestrel.core.batch import KV_GROUP
@@ -43,12 +46,31 @@ logger = logging.getLogger("kestrel.engine")
 GRAMMAR_WAIT_SECONDS = 0.05
 
 
-@dataclass(frozen=True)
+@dataclass
 class _InFlightStep:
-    """A launched step whose results the engine has not read yet."""
+    """A launched step whose results the engine has not taken in yet."""
 
     requests: dict[str, Request]  # by id, as scheduled: an id may be reused once retired
     pending: PendingStep
+    results: tuple[SequenceResult, ...] | None = None  # once read from the device
+
+
+class _MasksAfterLastStep:
+    """The token masks of a step launched before the previous step's samples were read
+    (overlapped scheduling). The runner asks for masks only once the step's forward pass is
+    queued; the first question reads the previous step's samples and advances the grammars
+    by them, so the host waits for the device while the device runs the forward pass."""
+
+    def __init__(self, structured: StructuredOutputs, read_last_step: Callable[[], None]) -> None:
+        self.structured, self.read_last_step = structured, read_last_step
+
+    def constrained(self, request_id: str) -> bool:
+        self.read_last_step()
+        return self.structured.constrained(request_id)
+
+    def fill(self, request_ids: Sequence[str]) -> torch.Tensor:
+        self.read_last_step()
+        return self.structured.fill(request_ids)
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,9 @@ class LLMEngine:
         self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
         self._in_flight: _InFlightStep | None = None
         self.structured = self._structured_outputs(args)
+        # Per constrained request of the step being read: whether its grammar stayed open
+        # after each sample (advanced as soon as the samples reach the host).
+        self._grammar_open: dict[str, list[bool]] = {}
         self.speculation = self._speculation(args)
         if self.speculation is not None:
             # Drafts follow the last accepted token, so each step's results are read before
@@ -186,7 +211,7 @@ class LLMEngine:
         self._apply(plan)
         work = [self._work_for(chunk) for chunk in plan.scheduled]
         requests = {chunk.request_id: self._requests[chunk.request_id] for chunk in plan.scheduled}
-        masks = self.structured if self.structured else None
+        masks = _MasksAfterLastStep(self.structured, self._read_results) if self.structured else None
         launched = self.parts.executor.launch(work, masks) if work else None
         outputs += self._read_in_flight()  # the previous step's results, while this one runs
         if launched is not None:
@@ -241,17 +266,32 @@ class LLMEngine:
     def _needs_host_tokens(self) -> bool:
         """Whether the next step's work depends on results still on the device: penalties and
         bad words read every output token, a grammar's next mask follows the last token, and
-        prompt logprobs continue from the last chunk's."""
-        return any(
-            r.params.needs_output_tokens or r.wants_prompt_logprobs or r.params.structured_outputs is not None
-            for r in self._running
-        )
+        prompt logprobs continue from the last chunk's. (A grammar's next mask is filled after
+        the next forward pass is queued: `_MasksAfterLastStep`.)"""
+        return any(r.params.needs_output_tokens or r.wants_prompt_logprobs for r in self._running)
+
+    def _read_results(self) -> None:
+        """Wait for the step in flight and advance its requests' grammars by its samples,
+        once; `_read_in_flight` then takes the rest of its results in."""
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.results is not None:
+            return
+        in_flight.results = in_flight.pending.result().results
+        if not self.structured:
+            return
+        for result in in_flight.results:
+            request = in_flight.requests[result.request_id]
+            if request.status is not RequestStatus.FINISHED and result.request_id in self.structured:
+                self._grammar_open[result.request_id] = [
+                    self.structured.accept(result.request_id, sampled.token_id) for sampled in result.sampled
+                ]
 
     def _read_in_flight(self) -> list[RequestOutput]:
+        self._read_results()
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return []
-        return self._absorb(in_flight.requests, in_flight.pending.result().results)
+        return self._absorb(in_flight.requests, in_flight.results)
 
     def _queue_state(self) -> QueueState:
         # The planner admits at most one request per free seat, in queue order: requests
@@ -376,8 +416,10 @@ class LLMEngine:
             sampled_tokens = result.sampled
             if request.draft_token_ids:
                 sampled_tokens = self._verified(request, sampled_tokens)
-            for sampled in sampled_tokens:
-                self._append_token(request, sampled.token_id, sampled.logprobs)
+            grammar_open = self._grammar_open.pop(request.request_id, ())
+            for index, sampled in enumerate(sampled_tokens):
+                open_after = grammar_open[index] if index < len(grammar_open) else True
+                self._append_token(request, sampled.token_id, sampled.logprobs, open_after)
                 if request.status is RequestStatus.FINISHED:
                     break  # a stop: the samples after it are dropped
             if not result.sampled and request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
@@ -403,7 +445,10 @@ class LLMEngine:
             group.provider.rollback(request.request_id, request.num_computed_tokens)
         return sampled[:kept]
 
-    def _append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
+    def _append_token(
+        self, request: Request, token_id: int, logprobs: TokenLogprobs | None, grammar_open: bool = True
+    ) -> None:
+        """`grammar_open`: False where the token completed the request's grammar."""
         request.token_ids.append(token_id)
         if logprobs is not None:
             request.logprobs.append(self.outputs.position_logprobs(logprobs))
@@ -412,7 +457,6 @@ class LLMEngine:
         if request.detokenizer is not None:
             new_text_len = len(request.detokenizer.push(token_id))
             request.text = request.detokenizer.text
-        grammar_open = self.structured is None or self.structured.accept(request.request_id, token_id)
         self._check_stop(request, token_id, new_text_len)
         if not grammar_open and request.status is not RequestStatus.FINISHED:
             request.finish("stop")  # the grammar is complete: nothing may follow
@@ -444,6 +488,7 @@ class LLMEngine:
             self._waiting.remove(request)
         self._release_pages(request)
         self.parts.executor.release(request.request_id)
+        self._grammar_open.pop(request.request_id, None)
         if self.structured is not None:
             self.structured.remove(request.request_id)
         del self._requests[request.request_id]

@@ -91,17 +91,40 @@ def test_constrained_and_free_requests_share_a_batch(qwen3_llm):
     assert qwen3_llm.engine.structured.num_mask_steps > 0
 
 
-def test_greedy_constrained_answers_match_across_scheduling_modes(checkpoint_dir):
+def test_constrained_answers_match_across_scheduling_modes(checkpoint_dir):
+    """Overlapped steps launch before the last step's samples are read, and only then fill
+    the masks: the answers are those of steps run one after another, also where a grammar
+    completes while the next step is already launched (its extra sample is dropped)."""
     from kestrel import LLM
 
-    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
-    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
-    texts = []
+    json_spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    specs = [
+        json_spec,
+        StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
+        StructuredOutputsParams(regex="[a-c]{2,9}"),
+    ]
+    params = (
+        [SamplingParams(temperature=0, max_tokens=80, structured_outputs=json_spec)]
+        + [sampled(seed, specs[seed % 3], max_tokens=60) for seed in range(7)]
+        + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    )
+    prompts = ["p", "q r", "s", "t u v", "w", "x", "y z", "a", "b c"]
+    texts, overlapped = [], []
     for overlap in (True, False):
         llm = LLM(str(checkpoint_dir("qwen3")), async_scheduling=overlap, page_size=8)
-        texts.append([o.outputs[0].text for o in llm.generate(["p", "q r"], params, use_tqdm=False)])
+        launch = llm.engine.parts.executor.launch
+
+        def launch_noting_overlap(work, masks=None, engine=llm.engine, launch=launch):
+            # A constrained decode whose last token is still on the device: it was planned
+            # before the last step's samples were read.
+            overlapped.append(any(w.follows_last_sample and w.params.structured_outputs for w in work))
+            return launch(work, masks)
+
+        llm.engine.parts.executor.launch = launch_noting_overlap
+        texts.append([o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)])
     assert texts[0] == texts[1]
-    for text in texts[0]:
+    assert any(overlapped), "constrained steps were meant to overlap with async scheduling"
+    for text in texts[0][:1]:
         jsonschema.validate(json.loads(text), PERSON)
 
 
