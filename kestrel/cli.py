@@ -130,6 +130,11 @@ def add_commands(commands: Any) -> None:
 
     add_structured_bench_options(structured)
     structured.set_defaults(handler=run_structured_benchmark)
+    speculative = kinds.add_parser("speculative", help="batch-1 copy tasks decoded plainly vs speculatively")
+    from kestrel.bench.speculative import add_speculative_bench_options, run_speculative_benchmark
+
+    add_speculative_bench_options(speculative)
+    speculative.set_defaults(handler=run_speculative_benchmark)
     serving = kinds.add_parser("serve", help="load an OpenAI-compatible server and measure latencies")
     from kestrel.bench.serve import add_serve_bench_options, run_serve_benchmark
 
