@@ -56,6 +56,7 @@ SLOW_MODULES = {
     "tests/server/test_server.py",
     "tests/server/test_structured_outputs.py",
     "tests/server/test_agent_apis.py",
+    "tests/server/test_speculative_server.py",
 }
 TRITON_MODULES = {
     "tests/core/test_triton_decode_splits.py",
