@@ -114,6 +114,14 @@ def add_commands(commands: Any) -> None:
     latency = kinds.add_parser("latency", help="one request: decode ms/token vs the bandwidth limit and HF")
     add_offline_bench_options(latency, output_len=256)
     latency.add_argument("--hf-output-len", type=int, default=64, help="HF is slow: fewer tokens suffice")
+    latency.add_argument(
+        "--simulate-acceptance",
+        type=float,
+        nargs="+",
+        default=None,
+        help="with --speculative-config: drafts that are right at these rates (simulated: random "
+        "weights accept nothing), timed for k = 1..num_speculative_tokens",
+    )
     latency.set_defaults(handler=run_latency)
     prefix = kinds.add_parser("prefix", help="shared system prompt: prefix caching on vs off")
     from kestrel.bench.prefix import add_prefix_bench_options, run_prefix_benchmark

@@ -28,6 +28,27 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes * repeats / (time.perf_counter() - start)
 
 
+def speculative_runs(args, kwargs: dict, config, prompt: list[int]) -> dict:
+    """The same request with speculative decoding: timed as it comes, and, with
+    --simulate-acceptance, at chosen acceptance rates."""
+    from kestrel import LLM
+    from kestrel.bench.speculative import simulated_acceptance_sweep
+
+    speculative = LLM(args.dummy_config or args.model, **kwargs, speculative_config=config)
+    report = {"config": str(config), "as_is": time_kestrel(speculative, prompt, args.output_len)}
+    if args.simulate_acceptance:
+        report["simulated"] = simulated_acceptance_sweep(speculative, prompt, args.output_len, args.simulate_acceptance)
+        for row in report["simulated"][1:]:
+            print(
+                f"simulated acceptance {row['simulated_acceptance']:.0%} k={row['k']}: "
+                f"{row['ms_per_output_token']:.2f} ms per token (prefill included), {row['speedup']:.2f}x "
+                f"drafting nothing ({report['simulated'][0]['ms_per_output_token']:.2f} ms); "
+                f"measured acceptance {row['measured_acceptance']:.0%}, same tokens {row['same_tokens']}"
+            )
+    release(speculative)
+    return report
+
+
 def release(llm) -> None:
     """Give the engine's device memory back (its weights, pools and graphs)."""
     import gc
@@ -101,6 +122,9 @@ def run_latency_benchmark(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if args.dummy_config:
         kwargs["load_format"] = "dummy"
+    speculative_config = kwargs.pop("speculative_config")
+    if args.simulate_acceptance and speculative_config is None:
+        raise SystemExit("--simulate-acceptance needs --speculative-config")
     llm = LLM(args.dummy_config or args.model, **kwargs)
     parts = llm.engine.parts
     spec, device = parts.spec, parts.runtime.device
@@ -127,10 +151,14 @@ def run_latency_benchmark(args: argparse.Namespace) -> int:
         "bandwidth_limit_ms_per_token": limit_ms,
         "kestrel_over_limit": kestrel_times["decode_ms_per_token"] / limit_ms,
     }
+    dtype = parts.dtype
+    del parts, cost
+    # Each engine below is built after the last one is released: a large model and another
+    # copy of it (speculating, or HF's) need not fit on the device together.
+    release(llm)
+    if speculative_config is not None:
+        report["speculative"] = speculative_runs(args, kwargs, speculative_config, prompt)
     if args.hf_baseline:
-        dtype = parts.dtype
-        del parts
-        release(llm)  # a large model and HF's copy of it need not fit on the device together
         hf = build_hf_model(args, dtype, device)
         report["hf"] = time_hf(hf, prompt, args.hf_output_len)
     print(json.dumps(report, indent=2))

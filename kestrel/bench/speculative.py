@@ -121,3 +121,71 @@ def add_speculative_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--output-json", default=None)
     add_engine_options(parser)
+
+
+# ---- simulated acceptance (a benchmark mode for random weights) ------------------------------
+
+
+class OracleProposer:
+    """Drafts for one known sequence: the target model's own greedy continuation (recorded
+    by a plain run), each draft token kept right with probability `rate` and otherwise made
+    wrong. Random weights accept nothing by themselves; this measures what a verify step
+    costs and gains at a chosen acceptance rate, through the engine's real path. Labelled
+    as simulated wherever it is reported."""
+
+    def __init__(self, expected: list[int], rate: float, seed: int = 0) -> None:
+        import random
+
+        self.expected, self.rate = expected, rate
+        self._random = random.Random(seed)
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> tuple[int, ...]:
+        start = len(token_ids)
+        if start > len(self.expected) or token_ids[-1] != self.expected[start - 1]:
+            return ()  # off the recorded path (the verify rows' rounding chose otherwise)
+        truth = self.expected[start : start + num_tokens]
+        return tuple(t if self._random.random() < self.rate else t + 1 for t in truth)
+
+
+def simulated_acceptance_sweep(llm, prompt: list[int], output_len: int, rates: list[float]) -> list[dict]:
+    """Per acceptance rate and draft length k = 1..num_speculative_tokens: ms per output token
+    at batch 1 with the oracle's drafts (prefill included), beside k = 0: the same engine
+    drafting nothing, timed the same way."""
+    import dataclasses
+
+    from kestrel import SamplingParams
+
+    speculation = llm.engine.speculation
+    config = speculation.config
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+    def timed(proposer) -> tuple[float, list[int]]:
+        speculation.proposer = proposer
+        start = time.perf_counter()
+        output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        llm.engine.parts.runtime.synchronize()
+        return (time.perf_counter() - start) * 1e3 / len(output.token_ids), list(prompt) + output.token_ids
+
+    timed(OracleProposer([], 0.0))  # warm-up
+    plain_ms, expected = timed(OracleProposer([], 0.0))  # drafts nothing: plain greedy decoding
+    rows = [dict(simulated_acceptance=None, k=0, ms_per_output_token=plain_ms, speedup=1.0)]
+    for rate in rates:
+        for k in range(1, config.num_speculative_tokens + 1):
+            speculation.config = dataclasses.replace(config, num_speculative_tokens=k)
+            before = dataclasses.replace(speculation.stats)
+            ms, tokens = timed(OracleProposer(expected, rate))
+            drafted = speculation.stats.num_draft_tokens - before.num_draft_tokens
+            accepted = speculation.stats.num_accepted_tokens - before.num_accepted_tokens
+            rows.append(
+                dict(
+                    simulated_acceptance=rate,
+                    k=k,
+                    ms_per_output_token=ms,
+                    speedup=plain_ms / ms,
+                    measured_acceptance=accepted / drafted if drafted else 0.0,
+                    verify_steps=speculation.stats.num_drafts - before.num_drafts,
+                    same_tokens=tokens == expected,
+                )
+            )
+    speculation.config = config
+    return rows

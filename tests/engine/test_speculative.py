@@ -218,3 +218,22 @@ def test_sampled_tokens_follow_the_target_distribution(checkpoint_dir, tmp_path)
     hotter = [SamplingParams(temperature=2.0, max_tokens=length, ignore_eos=True, seed=s) for s in range(num_samples)]
     other = sampled_ids(llm, prompt, hotter)
     assert chi_square_p_value([t[2] for t in plain], [t[2] for t in other]) < 1e-3
+
+
+def test_simulated_acceptance_drafts_at_the_chosen_rate(engines):
+    """The benchmark mode for random weights: an oracle drafts the model's own greedy tokens,
+    each right with the chosen probability; all right means every draft stands."""
+    from kestrel.bench.speculative import simulated_acceptance_sweep
+
+    _, speculative = engines
+    prompt = looping_prompts(1)[0]["prompt_token_ids"]
+    rows = simulated_acceptance_sweep(speculative, prompt, 16, [1.0, 0.0])
+    assert [(r["simulated_acceptance"], r["k"]) for r in rows] == [(None, 0)] + [
+        (rate, k) for rate in (1.0, 0.0) for k in (1, 2, 3, 4)
+    ]
+    for row in rows[1:]:
+        assert row["same_tokens"]
+        assert row["measured_acceptance"] == row["simulated_acceptance"]
+    # All right: each verify step yields k + 1 tokens (the first token comes from the prompt).
+    assert rows[4]["verify_steps"] == -(-15 // 5)
+    assert speculative.engine.speculation.config.num_speculative_tokens == 4
