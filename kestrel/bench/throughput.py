@@ -101,6 +101,13 @@ def build_hf_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.d
 
         with torch.device(device):
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=dtype).eval()
+    if args.model.endswith(".gguf"):  # transformers dequantizes a GGUF file itself
+        from pathlib import Path
+
+        path = Path(args.model)
+        return (
+            AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+        )
     return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
 
 
