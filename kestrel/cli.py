@@ -4,9 +4,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
 from kestrel.engine.options import add_engine_options, engine_kwargs
+
+# Benchmarks in a module of their own, kestrel/bench/NAME.py, which holds
+# add_NAME_bench_options(parser) and run_NAME_benchmark(args).
+OWN_MODULE_BENCHES = {
+    "prefix": "shared system prompt: prefix caching on vs off",
+    "startup": "time from LLM(model=...) to the first token, fresh processes",
+    "structured": "every request JSON-schema constrained vs none",
+    "speculative": "batch-1 copy tasks decoded plainly vs speculatively",
+    "serve": "load an OpenAI-compatible server and measure latencies",
+}
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -123,28 +134,8 @@ def add_commands(commands: Any) -> None:
         "weights accept nothing), timed for k = 1..num_speculative_tokens",
     )
     latency.set_defaults(handler=run_latency)
-    prefix = kinds.add_parser("prefix", help="shared system prompt: prefix caching on vs off")
-    from kestrel.bench.prefix import add_prefix_bench_options, run_prefix_benchmark
-
-    add_prefix_bench_options(prefix)
-    prefix.set_defaults(handler=run_prefix_benchmark)
-    startup = kinds.add_parser("startup", help="time from LLM(model=...) to the first token, fresh processes")
-    from kestrel.bench.startup import add_startup_bench_options, run_startup_benchmark
-
-    add_startup_bench_options(startup)
-    startup.set_defaults(handler=run_startup_benchmark)
-    structured = kinds.add_parser("structured", help="every request JSON-schema constrained vs none")
-    from kestrel.bench.structured import add_structured_bench_options, run_structured_benchmark
-
-    add_structured_bench_options(structured)
-    structured.set_defaults(handler=run_structured_benchmark)
-    speculative = kinds.add_parser("speculative", help="batch-1 copy tasks decoded plainly vs speculatively")
-    from kestrel.bench.speculative import add_speculative_bench_options, run_speculative_benchmark
-
-    add_speculative_bench_options(speculative)
-    speculative.set_defaults(handler=run_speculative_benchmark)
-    serving = kinds.add_parser("serve", help="load an OpenAI-compatible server and measure latencies")
-    from kestrel.bench.serve import add_serve_bench_options, run_serve_benchmark
-
-    add_serve_bench_options(serving)
-    serving.set_defaults(handler=run_serve_benchmark)
+    for name, help_text in OWN_MODULE_BENCHES.items():
+        module = importlib.import_module(f"kestrel.bench.{name}")
+        parser = kinds.add_parser(name, help=help_text)
+        getattr(module, f"add_{name}_bench_options")(parser)
+        parser.set_defaults(handler=getattr(module, f"run_{name}_benchmark"))
