@@ -265,9 +265,9 @@ class LLMEngine:
 
     def _needs_host_tokens(self) -> bool:
         """Whether the next step's work depends on results still on the device: penalties and
-        bad words read every output token, a grammar's next mask follows the last token, and
-        prompt logprobs continue from the last chunk's. (A grammar's next mask is filled after
-        the next forward pass is queued: `_MasksAfterLastStep`.)"""
+        bad words read every output token, and prompt logprobs continue from the last chunk's.
+        (A grammar's next mask follows the last token too, but only the sampler needs it,
+        after the forward pass is queued: `_MasksAfterLastStep`.)"""
         return any(r.params.needs_output_tokens or r.wants_prompt_logprobs for r in self._running)
 
     def _read_results(self) -> None:
