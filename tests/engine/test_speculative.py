@@ -237,3 +237,23 @@ def test_simulated_acceptance_drafts_at_the_chosen_rate(engines):
     # All right: each verify step yields k + 1 tokens (the first token comes from the prompt).
     assert rows[4]["verify_steps"] == -(-15 // 5)
     assert speculative.engine.speculation.config.num_speculative_tokens == 4
+
+
+def test_stop_strings_and_constrained_requests_beside_drafting_ones(engines):
+    """A stop string inside accepted drafts ends the text there; a constrained request in the
+    same batch decodes one token at a time and still holds its grammar."""
+    from kestrel.sampling_params import StructuredOutputsParams
+
+    plain, speculative = engines
+    batch = looping_prompts(3)
+    free = plain.generate(batch[:1], PARAMS[0], use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2 :][:3]
+    regex = StructuredOutputsParams(regex="[a-c]{3,6}")
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=regex),
+        PARAMS[0],
+    ]
+    expected = generate(plain, batch, params)
+    assert_same_outputs(generate(speculative, batch, params), expected)
+    assert expected[0][0].finish_reason == "stop" and expected[0][0].stop_reason == stop

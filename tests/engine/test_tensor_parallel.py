@@ -152,3 +152,19 @@ def test_engines_one_after_another_in_one_process(checkpoint_dir):
             LLM(path, **settings)
     finally:
         last.shutdown()
+
+
+def test_two_ranks_speculating_give_the_same_greedy_tokens_as_one(checkpoint_dir):
+    """Verify chunks and rollback on two ranks: each rank rolls its shard of the KV back."""
+    path = str(checkpoint_dir("qwen3"))
+    settings = dict(max_num_batched_tokens=32, dtype="float32", kv_cache_memory_gb=0.05)
+    looping = [{"prompt_token_ids": [31, 42, 53, 64] * 5}, {"prompt_token_ids": [7, 8, 9] * 6}]
+    single = LLM(path, **settings).generate(looping, GREEDY, use_tqdm=False)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(path, tensor_parallel_size=2, speculative_config=config, **settings)
+    try:
+        split = llm.generate(looping, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
+        assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.engine.shutdown()
