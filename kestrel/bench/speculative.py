@@ -156,7 +156,7 @@ def simulated_acceptance_sweep(llm, prompt: list[int], output_len: int, rates: l
     from kestrel import SamplingParams
 
     speculation = llm.engine.speculation
-    config = speculation.config
+    config, proposer = speculation.config, speculation.proposer
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
     def timed(proposer) -> tuple[float, list[int]]:
@@ -187,5 +187,5 @@ def simulated_acceptance_sweep(llm, prompt: list[int], output_len: int, rates: l
                     same_tokens=tokens == expected,
                 )
             )
-    speculation.config = config
+    speculation.config, speculation.proposer = config, proposer
     return rows

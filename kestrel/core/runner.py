@@ -302,8 +302,8 @@ class ModelRunner:
 
 
 def _row_masks(sampled_ids: list[str], masks: TokenMasks | None) -> RowMasks | None:
-    """The bitmasks of the rows whose requests are constrained (a request samples one row a
-    step when constrained: a grammar cannot check draft tokens it has not accepted)."""
+    """The bitmasks of the rows whose requests are constrained (a verify chunk's rows in order:
+    the masks' owner fills each after the drafts before it)."""
     if masks is None:
         return None
     rows = [row for row, request_id in enumerate(sampled_ids) if masks.constrained(request_id)]

@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +61,13 @@ class _MasksAfterLastStep:
     queued; the first question reads the previous step's samples and advances the grammars
     by them, so the host waits for the device while the device runs the forward pass."""
 
-    def __init__(self, structured: StructuredOutputs, read_last_step: Callable[[], None]) -> None:
-        self.structured, self.read_last_step = structured, read_last_step
+    def __init__(
+        self,
+        structured: StructuredOutputs,
+        read_last_step: Callable[[], None],
+        drafts: Mapping[str, Sequence[int]],  # the step's verify chunks' drafts, by request
+    ) -> None:
+        self.structured, self.read_last_step, self.drafts = structured, read_last_step, drafts
 
     def constrained(self, request_id: str) -> bool:
         self.read_last_step()
@@ -70,7 +75,7 @@ class _MasksAfterLastStep:
 
     def fill(self, request_ids: Sequence[str]) -> torch.Tensor:
         self.read_last_step()
-        return self.structured.fill(request_ids)
+        return self.structured.fill(request_ids, self.drafts)
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,10 @@ class LLMEngine:
         self._apply(plan)
         work = [self._work_for(chunk) for chunk in plan.scheduled]
         requests = {chunk.request_id: self._requests[chunk.request_id] for chunk in plan.scheduled}
-        masks = _MasksAfterLastStep(self.structured, self._read_results) if self.structured else None
+        masks = None
+        if self.structured:
+            drafts = {r.request_id: r.draft_token_ids for r in requests.values() if r.draft_token_ids}
+            masks = _MasksAfterLastStep(self.structured, self._read_results, drafts)
         launched = self.parts.executor.launch(work, masks) if work else None
         outputs += self._read_in_flight()  # the previous step's results, while this one runs
         if launched is not None:
@@ -224,15 +232,19 @@ class LLMEngine:
 
     def _draft(self) -> None:
         """Drafts for every running request that decodes next (its prompt computed, its last
-        token known); constrained requests decode one token at a time (a grammar cannot
-        check tokens it has not accepted)."""
+        token known). A constrained request's drafts end where its grammar would refuse one;
+        while it is still reasoning (no mask yet) it decodes one token at a time."""
         for request in self._running:
             request.draft_token_ids = ()
             decodes = request.num_computed_tokens == request.num_tokens - 1 and not request.num_pending_tokens
-            if not decodes or request.params.structured_outputs is not None:
+            constrained = request.params.structured_outputs is not None
+            if not decodes or (constrained and not self.structured.constrained(request.request_id)):
                 continue
             room = request.max_tokens - request.num_output_tokens - 1  # the sample after the drafts
-            request.draft_token_ids = self.speculation.drafts_for(request.token_ids, room)
+            drafts = self.speculation.drafts_for(request.token_ids, room)
+            if constrained and drafts:
+                drafts = self.structured.valid_drafts(request.request_id, drafts)
+            request.draft_token_ids = drafts
 
     def _fail_broken_grammars(self) -> list[RequestOutput]:
         """Finish the waiting requests whose grammar failed to compile (it was checked when
@@ -282,9 +294,10 @@ class LLMEngine:
         for result in in_flight.results:
             request = in_flight.requests[result.request_id]
             if request.status is not RequestStatus.FINISHED and result.request_id in self.structured:
-                self._grammar_open[result.request_id] = [
-                    self.structured.accept(result.request_id, sampled.token_id) for sampled in result.sampled
-                ]
+                sampled = [s.token_id for s in result.sampled]
+                if request.draft_token_ids:  # only a verify chunk's samples that stand
+                    sampled = sampled[: kept_samples(sampled, request.draft_token_ids)]
+                self._grammar_open[result.request_id] = [self.structured.accept(result.request_id, t) for t in sampled]
 
     def _read_in_flight(self) -> list[RequestOutput]:
         self._read_results()

@@ -161,6 +161,7 @@ class LLM:
             prompt_logprobs=first.prompt_logprobs,
             outputs=completions,
             finished=True,
+            metrics=first.metrics if len(children) == 1 else None,  # n > 1: one request per sample
         )
 
 

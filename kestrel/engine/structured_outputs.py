@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,19 +220,41 @@ class StructuredOutputs:
         constraint = self._constraints.get(request_id)
         return constraint is not None and not constraint.reasoning and constraint.matcher is not None
 
-    def fill(self, request_ids: Sequence[str]) -> torch.Tensor:
+    def valid_drafts(self, request_id: str, drafts: Sequence[int]) -> tuple[int, ...]:
+        """The longest prefix of `drafts` the request's grammar allows next (the matcher is
+        left where it was)."""
+        matcher = self._constraints[request_id].matcher
+        count = 0
+        while count < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[count]):
+            count += 1
+        if count:
+            matcher.rollback(count)
+        return tuple(drafts[:count])
+
+    def fill(self, request_ids: Sequence[str], drafts: Mapping[str, Sequence[int]] | None = None) -> torch.Tensor:
+        """One bitmask row per entry of `request_ids`. A request listed several times in a
+        row has a verify chunk: its n-th row (from 0) is the mask after its first n drafts."""
         start = time.perf_counter()
         bitmasks = xgrammar.allocate_token_bitmask(len(request_ids), self.grammars.vocab_size)
+        advanced: dict[str, int] = {}  # drafts accepted into each matcher for this fill
         # One thread: xgrammar's BatchGrammarMatcher took 8.4 ms a step for 64 requests on
         # the H200's host where this loop takes 1.2 ms.
         for row, request_id in enumerate(request_ids):
             matcher = self._constraints[request_id].matcher
+            if request_id in advanced:
+                draft = drafts[request_id][advanced[request_id]]
+                advanced[request_id] += matcher.accept_token(draft)
+            else:
+                advanced[request_id] = 0
             if matcher.is_terminated():
-                # Finished by its last token while this step was already launched (overlapped
-                # scheduling): this sample is dropped; any token keeps the row sampleable.
+                # Its grammar is complete (by its last token, with the step launched already,
+                # or by a draft): this row's sample is dropped; any token keeps it sampleable.
                 bitmasks[row] = -1
             else:
                 matcher.fill_next_token_bitmask(bitmasks, row)
+        for request_id, count in advanced.items():
+            if count:
+                self._constraints[request_id].matcher.rollback(count)
         self.num_mask_steps += 1
         self.mask_seconds += time.perf_counter() - start
         return bitmasks

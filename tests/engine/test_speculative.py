@@ -3,6 +3,8 @@ and the engine's outputs, which must be exactly those of decoding one token at a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -236,7 +238,8 @@ def test_simulated_acceptance_drafts_at_the_chosen_rate(engines):
         assert row["measured_acceptance"] == row["simulated_acceptance"]
     # All right: each verify step yields k + 1 tokens (the first token comes from the prompt).
     assert rows[4]["verify_steps"] == -(-15 // 5)
-    assert speculative.engine.speculation.config.num_speculative_tokens == 4
+    assert speculative.engine.speculation.config.num_speculative_tokens == 4  # the engine's own again
+    assert isinstance(speculative.engine.speculation.proposer, NgramProposer)
 
 
 def test_stop_strings_and_constrained_requests_beside_drafting_ones(engines):
@@ -257,3 +260,33 @@ def test_stop_strings_and_constrained_requests_beside_drafting_ones(engines):
     expected = generate(plain, batch, params)
     assert_same_outputs(generate(speculative, batch, params), expected)
     assert expected[0][0].finish_reason == "stop" and expected[0][0].stop_reason == stop
+
+
+def test_constrained_requests_draft_within_their_grammar(engines):
+    """A grammar that repeats lets the n-gram drafts stand: drafts are cut where the grammar
+    would refuse one, each verify row is masked after the drafts before it, and greedy
+    answers are those of plain decoding (a sampled one draws its random numbers differently,
+    so only its grammar is checked)."""
+    from kestrel.sampling_params import StructuredOutputsParams
+
+    plain, speculative = engines
+    batch = looping_prompts(4)
+    specs = [StructuredOutputsParams(regex="(abc ){3,9}end"), StructuredOutputsParams(choice=["yes yes yes", "no"])]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=specs[0]),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=specs[0]),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=specs[1]),
+        PARAMS[0],
+    ]
+    before = speculative.engine.stats().spec_decode_num_accepted_tokens
+    greedy = [0, 2, 3]
+    expected = generate(plain, [batch[i] for i in greedy], [params[i] for i in greedy])
+    got = generate(speculative, batch, params)
+    assert_same_outputs(([got[0][i] for i in greedy], [got[1][i] for i in greedy]), expected)
+    for completion in got[0][:2]:
+        assert re.fullmatch("(abc ){3,9}end", completion.text), completion.text
+    assert got[0][2].text in ("yes yes yes", "no")
+    (alone,) = speculative.generate(batch[:1], params[:1], use_tqdm=False)
+    assert alone.metrics.num_accepted_tokens > 0, "the constrained request's drafts were meant to stand"
+    assert speculative.engine.stats().spec_decode_num_accepted_tokens > before
+    assert_pool_balanced(speculative)
