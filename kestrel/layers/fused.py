@@ -1,5 +1,6 @@
 """Fused Triton kernels for the elementwise work between matmuls: RMSNorm (with the residual
-add), rotary embedding, and SiLU-and-multiply.
+add), rotary embedding, both at once on the query and key heads (Qwen3's per-head norms),
+and SiLU-and-multiply.
 
 Each rounds to the activation dtype at the same points as the torch path (and Hugging
 Face), so outputs agree bit for bit in float32 and to the last bf16 ulp otherwise.
@@ -149,6 +150,92 @@ def _rotary_kernel(
     first, second = rotate_half_pair(first, second, cos_row, sin_row, cols, inside, HALF)
     tl.store(base, first, mask=mask)
     tl.store(base + HALF, second, mask=mask)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    x_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_x_token,
+    stride_x_head,
+    stride_cos,
+    num_q_heads,
+    num_heads,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
+):
+    """In place, HEADS of one token's query-then-key heads: each RMS-normalised over its
+    head_dim with the query's or the key's weight, rounded as `_rms_norm_kernel` rounds, then
+    rotated as `_rotary_kernel` rotates."""
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < HALF
+    mask = (heads < num_heads)[:, None] & inside[None, :]
+    base = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head + cols[None, :]
+    first = tl.load(base, mask=mask, other=0.0)
+    second = tl.load(base + HALF, mask=mask, other=0.0)
+    dtype = first.dtype
+    first32, second32 = first.to(tl.float32), second.to(tl.float32)
+    squares = tl.sum(first32 * first32, 1) + tl.sum(second32 * second32, 1)
+    inverse_rms = (1.0 / tl.sqrt(squares / (2 * HALF) + eps))[:, None]
+    is_query = (heads < num_q_heads)[:, None]
+    weight_first = tl.where(
+        is_query,
+        tl.load(q_weight_ptr + cols, mask=inside, other=0.0)[None, :],
+        tl.load(k_weight_ptr + cols, mask=inside, other=0.0)[None, :],
+    ).to(tl.float32)
+    weight_second = tl.where(
+        is_query,
+        tl.load(q_weight_ptr + HALF + cols, mask=inside, other=0.0)[None, :],
+        tl.load(k_weight_ptr + HALF + cols, mask=inside, other=0.0)[None, :],
+    ).to(tl.float32)
+    first = (weight_first * (first32 * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
+    second = (weight_second * (second32 * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
+    cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
+    first, second = rotate_half_pair(first, second, cos_row, sin_row, cols, inside, HALF)
+    tl.store(base, first, mask=mask)
+    tl.store(base + HALF, second, mask=mask)
+
+
+def qk_norm_rotary_(
+    heads: torch.Tensor,
+    num_q_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """heads [tokens, query heads + key heads, head_dim] (a qkv projection's first columns),
+    each normalised by its weight and rotated (full rotary dim), in place: one launch where
+    two norms and two rotary passes took four."""
+    tokens, num_heads, head_dim = heads.shape
+    if tokens:
+        half = head_dim // 2
+        per_program = min(ROTARY_HEADS, triton.next_power_of_2(num_heads))
+        _qk_norm_rotary_kernel[(tokens, triton.cdiv(num_heads, per_program))](
+            heads,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            heads.stride(0),
+            heads.stride(1),
+            cos.stride(0),
+            num_q_heads,
+            num_heads,
+            eps,
+            HALF=half,
+            BLOCK=triton.next_power_of_2(half),
+            HEADS=per_program,
+        )
+    return heads
 
 
 # Heads one rotary program takes: a program per (token, head) moved 256 bytes of a

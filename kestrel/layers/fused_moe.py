@@ -6,10 +6,13 @@ kernel launch then computes every expert's gate/up projection, another every dow
 projection (scaled by the routing weight). All shapes depend only on the token count, never
 on the routing, so nothing is read back to the host and a step can be captured in a graph.
 
-The grouping is three small kernels (count each expert's rows; lay out each expert's run;
-place each row), each spread over many programs, not a sort: a decode step runs it in every
-layer, where a dozen torch ops cost more than the matmuls' bytes. Launch shapes come from
-a table per run length (`moe_launch`), which scripts/moe_sweep.py measures per GPU.
+Routing is one kernel (`route`: softmax, top-k, renormalisation and any always-on shared
+expert per token). The grouping is three small kernels (count each expert's rows; lay out
+each expert's run; place each row), each spread over many programs, not a sort: a decode
+step runs it in every layer, where a dozen torch ops cost more than the matmuls' bytes.
+Where so few rows are routed that no expert is likely to get two (a decode step of one or
+two requests), there is no grouping at all: each row is a block of its own. Launch shapes
+come from a table per run length (`moe_launch`), which scripts/moe_sweep.py measures per GPU.
 """
 
 from __future__ import annotations
@@ -56,6 +59,78 @@ def moe_launch(num_rows: int, num_experts: int) -> MoeLaunch:
 
 
 @triton.jit
+def route_kernel(
+    logits_ptr,
+    shared_logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    num_experts,
+    stride_logits,
+    stride_shared,
+    TOP_K: tl.constexpr,
+    WIDTH: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    SLOTS_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """One token's choices: the TOP_K largest of softmax(logits) in float32 (the first index
+    wins a tie), renormalised to sum to one if asked; with WIDTH = TOP_K + 1, then the
+    always-on shared expert (index num_experts) weighted by sigmoid(its gate's logit)."""
+    token = tl.program_id(0)
+    ids = tl.arange(0, EXPERTS_POW2)
+    inside = ids < num_experts
+    logits = tl.load(logits_ptr + token * stride_logits + ids, mask=inside, other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    remaining = tl.where(inside, probs / tl.sum(probs, axis=0), -1.0)
+    slots = tl.arange(0, SLOTS_POW2)
+    chosen_weights = tl.zeros((SLOTS_POW2,), dtype=tl.float32)
+    chosen_experts = tl.zeros((SLOTS_POW2,), dtype=tl.int32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        # NaN logits match no maximum; the clamp keeps even those rows inside the weights.
+        first = tl.minimum(tl.min(tl.where(remaining == best, ids, EXPERTS_POW2), axis=0), num_experts - 1)
+        chosen_weights = tl.where(slots == choice, best, chosen_weights)
+        chosen_experts = tl.where(slots == choice, first, chosen_experts)
+        remaining = tl.where(ids == first, -1.0, remaining)
+    if RENORMALIZE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
+    if WIDTH > TOP_K:
+        shared_logit = tl.load(shared_logits_ptr + token * stride_shared).to(tl.float32)
+        chosen_weights = tl.where(slots == TOP_K, tl.sigmoid(shared_logit), chosen_weights)
+        chosen_experts = tl.where(slots == TOP_K, num_experts, chosen_experts)
+    out = token * WIDTH + slots
+    tl.store(weights_ptr + out, chosen_weights.to(weights_ptr.dtype.element_ty), mask=slots < WIDTH)
+    tl.store(experts_ptr + out, chosen_experts, mask=slots < WIDTH)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, shared_logits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, experts] -> (weights in `dtype`, int32 experts), each
+    [tokens, top_k], or [tokens, top_k + 1] with the shared expert (gate logits [tokens, 1])
+    last; what `SparseMoe.route_reference` computes, in one launch."""
+    tokens, num_experts = logits.shape
+    width = top_k + (shared_logits is not None)
+    weights = torch.empty((tokens, width), dtype=dtype, device=logits.device)
+    experts = torch.empty((tokens, width), dtype=torch.int32, device=logits.device)
+    route_kernel[(tokens,)](
+        logits,
+        shared_logits if shared_logits is not None else logits,
+        weights,
+        experts,
+        num_experts,
+        logits.stride(0),
+        shared_logits.stride(0) if shared_logits is not None else 0,
+        TOP_K=top_k,
+        WIDTH=width,
+        EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        SLOTS_POW2=triton.next_power_of_2(width),
+        RENORMALIZE=renormalize,
+    )
+    return weights, experts
+
+
+@triton.jit
 def grouped_matmul_kernel(
     a_ptr,
     b_ptr,
@@ -72,19 +147,23 @@ def grouped_matmul_kernel(
     stride_c,
     A_ROW_DIVISOR: tl.constexpr,
     SCALE_BY_WEIGHT: tl.constexpr,
+    ONE_ROW_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """C[row] = A[row // A_ROW_DIVISOR] @ B[expert]^T for the block's rows (B is [n, k] per
-    expert, as a linear layer's weight), optionally times weights[row]."""
+    expert, as a linear layer's weight), optionally times weights[row]. With ONE_ROW_BLOCKS,
+    block i is row i alone and block_experts its routed experts, flat; no row ids."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:  # past the last expert's run: the grid covers the most blocks routing can need
         return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(row_ids_ptr + offs_m)
+    if ONE_ROW_BLOCKS:  # the other rows of the block are padding (tl.dot takes 16 at least)
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_rows)
+    else:
+        rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_rows  # padding rows hold num_rows
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -223,13 +302,14 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tup
 def _grouped_matmul(
     a: torch.Tensor,
     weight: torch.Tensor,
-    row_ids: torch.Tensor,
+    row_ids: torch.Tensor | None,
     block_experts: torch.Tensor,
     num_rows: int,
     a_row_divisor: int,
     launch: MoeLaunch,
     routing_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """One launch over every block; `row_ids` None: each row is a block of its own."""
     n, k = weight.shape[1], weight.shape[2]
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
     grid = (block_experts.numel(), triton.cdiv(n, launch.block_n))
@@ -237,7 +317,7 @@ def _grouped_matmul(
         a,
         weight,
         out,
-        row_ids,
+        row_ids if row_ids is not None else block_experts,
         block_experts,
         routing_weights if routing_weights is not None else out,
         num_rows,
@@ -249,6 +329,7 @@ def _grouped_matmul(
         out.stride(0),
         A_ROW_DIVISOR=a_row_divisor,
         SCALE_BY_WEIGHT=routing_weights is not None,
+        ONE_ROW_BLOCKS=row_ids is None,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
@@ -258,6 +339,12 @@ def _grouped_matmul(
         num_stages=launch.num_stages,
     )
     return out
+
+
+def expected_repeats(num_rows: int, num_experts: int) -> float:
+    """How many pairs of rows routed at random pick the same expert: the weight reads that
+    one-row blocks repeat where grouping would share them."""
+    return num_rows * (num_rows - 1) / (2 * num_experts)
 
 
 def fused_moe(
@@ -272,8 +359,12 @@ def fused_moe(
     weights, experts [tokens, top_k]. Returns sum over choices of weight * expert(hidden)."""
     tokens, top_k = experts.shape
     num_rows = tokens * top_k
-    launch = launch or moe_launch(num_rows, w13.shape[0])
-    row_ids, block_experts = group_by_expert(experts, w13.shape[0], launch.block_m)
+    num_experts = w13.shape[0]
+    launch = launch or moe_launch(num_rows, num_experts)
+    if expected_repeats(num_rows, num_experts) < 1:
+        row_ids, block_experts = None, experts.flatten()
+    else:
+        row_ids, block_experts = group_by_expert(experts, num_experts, launch.block_m)
     gate_up = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k, launch)
     activated = ops.silu_and_mul(gate_up)
     flat_weights = weights.flatten().contiguous()

@@ -73,13 +73,32 @@ class SparseMoe(nn.Module):
         self.experts.w13 = StackedExpertWeight(stacked, {"gate": inner, "up": inner}, ShardSlice.whole(hidden_size))
         self.experts.w2 = StackedExpertWeight(stacked, {"down": ShardSlice.whole(hidden_size)}, inner)
 
-    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k experts per token and their weights (softmax in float32, as HF does)."""
-        probs = F.softmax(self.gate(hidden), dim=-1, dtype=torch.float32)
+    def route(
+        self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts per token and their weights (softmax in float32, as HF does); with
+        `shared_logits` [tokens, 1], the always-on expert after them, weighted by their
+        sigmoid. One kernel on CUDA."""
+        logits = self.gate(hidden)
+        if logits.is_cuda:
+            from kestrel.layers.fused_moe import route
+
+            return route(logits, self.top_k, self.renormalize, hidden.dtype, shared_logits)
+        return self.route_reference(logits, hidden.dtype, shared_logits)
+
+    def route_reference(
+        self, logits: torch.Tensor, dtype: torch.dtype, shared_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(hidden.dtype), experts
+        weights = weights.to(dtype)
+        if shared_logits is None:
+            return weights, experts
+        shared = torch.sigmoid(shared_logits.float()).to(dtype)
+        always_on = experts.new_full((logits.shape[0], 1), self.num_experts)
+        return torch.cat((weights, shared), dim=1), torch.cat((experts, always_on), dim=1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mix_experts(hidden, *self.route(hidden))

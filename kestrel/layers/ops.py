@@ -119,6 +119,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate.contiguous()).mul_(up)
 
 
+def qk_norm_rotary(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMS norms of query [tokens, heads, dim] and key [tokens, kv heads, dim], then
+    rotary on both. On CUDA, where the key heads follow the query heads in each row (a qkv
+    projection's output) and the rotary dim is the whole head: one in-place kernel."""
+    tokens, num_q_heads, head_dim = query.shape
+    adjacent = key.data_ptr() == query.data_ptr() + num_q_heads * head_dim * query.element_size()
+    if query.is_cuda and adjacent and query.stride() == key.stride() and cos.shape[-1] == head_dim:
+        from kestrel.layers import fused
+
+        heads = query.as_strided((tokens, num_q_heads + key.shape[1], head_dim), query.stride())
+        fused.qk_norm_rotary_(heads, num_q_heads, q_weight, k_weight, eps, cos, sin)
+        return query, key
+    query, key = rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps)
+    return rotary(query, cos, sin), rotary(key, cos, sin)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] rotated by cos/sin [tokens, rotary_dim] (rotate-half layout)."""
     rotary_dim = cos.shape[-1]

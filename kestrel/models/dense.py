@@ -15,7 +15,7 @@ from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
 from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import RMSNorm
-from kestrel.layers.rotary import RopeSpec, apply_rotary, rotary_cos_sin
+from kestrel.layers.rotary import RopeSpec, rotary_cos_sin
 from kestrel.models.spec import DecoderSpec
 
 PACKED_MAPPINGS = (
@@ -80,9 +80,15 @@ class DecoderAttention(nn.Module):
         else:
             qkv = self.qkv_proj(hidden)
             query, key, value = self.qkv_proj.split(qkv)
-            query = self.q_norm(query.view(tokens, spec.num_heads, spec.head_dim))
-            key = self.k_norm(key.view(tokens, spec.num_kv_heads, spec.head_dim))
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            query, key = ops.qk_norm_rotary(
+                query.view(tokens, spec.num_heads, spec.head_dim),
+                key.view(tokens, spec.num_kv_heads, spec.head_dim),
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                cos,
+                sin,
+            )
         value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
         attended = context.attend(self.layer_index, query, key, value, spec)
         return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))

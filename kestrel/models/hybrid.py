@@ -352,13 +352,11 @@ class SharedExpertMoe(SparseMoe):
         self.shared_expert_gate = Linear(spec.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        shared_weight = torch.sigmoid(self.shared_expert_gate(hidden))
-        weights, experts = self.route(hidden)
+        shared_logits = self.shared_expert_gate(hidden)
         if self.num_stacked == self.num_experts:
-            return self.mix_experts(hidden, weights, experts) + shared_weight * self.shared_expert(hidden)
-        weights = torch.cat((weights, shared_weight.to(weights.dtype)), dim=1)
-        experts = torch.cat((experts, experts.new_full((hidden.shape[0], 1), self.num_experts)), dim=1)
-        return self.mix_experts(hidden, weights, experts)
+            routed = self.mix_experts(hidden, *self.route(hidden))
+            return routed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
+        return self.mix_experts(hidden, *self.route(hidden, shared_logits))
 
 
 class HybridDecoderLayer(ResidualBlock):

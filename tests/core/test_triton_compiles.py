@@ -58,6 +58,12 @@ CASES = {
         {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},
         dict(HALF=64, BLOCK=64, HEADS=16),
     ),
+    "qk_norm_rotary": (
+        fused._qk_norm_rotary_kernel,
+        {"x_ptr": "*bf16", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
+        | {"eps": "fp32"},
+        dict(HALF=64, BLOCK=64, HEADS=16),
+    ),
     "store_kv_float8": (
         attention.store_kv_kernel,
         FLOAT8_POOL | {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64"},
@@ -95,12 +101,19 @@ CASES = {
     "moe_matmul_decode": (
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
-        dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32"),
+        dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
+        | dict(ONE_ROW_BLOCKS=True),
     ),
     "moe_matmul_tall": (
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
-        dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32"),
+        dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32")
+        | dict(ONE_ROW_BLOCKS=False),
+    ),
+    "moe_route_with_shared": (  # Qwen3-Next: top 10 of 512, the shared expert after them
+        fused_moe.route_kernel,
+        {"logits_ptr": "*bf16", "shared_logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i32"},
+        dict(TOP_K=10, WIDTH=11, EXPERTS_POW2=512, SLOTS_POW2=16, RENORMALIZE=True),
     ),
     "moe_count_rows": (fused_moe.count_rows_kernel, MOE_GROUPING, dict(BLOCK=256)),
     "moe_expert_runs": (  # Qwen3-Next: 512 routed experts and the shared one stacked after them

@@ -63,3 +63,37 @@ def test_rotary_in_place_on_a_strided_view(dtype, kv_heads):
     close(key, expected.to(DEVICE))
     # Neighbours in the same rows are left alone.
     assert torch.equal(qkv[:, : 4 * 64], query) and torch.equal(qkv[:, (4 + kv_heads) * 64 :], value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 2), (fused.ROTARY_HEADS, 4)])  # one program; two, part-full
+def test_query_and_key_norms_and_rotary_in_one_pass(dtype, q_heads, kv_heads):
+    torch.manual_seed(4)
+    head_dim = 64
+    qkv = torch.randn(5, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    q_weight = (torch.rand(head_dim) + 0.5).to(dtype)
+    k_weight = (torch.rand(head_dim) + 0.5).to(dtype)
+    angles = torch.randn(5, head_dim // 2)
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
+
+    def heads(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        query = rows[:, : q_heads * head_dim].view(5, q_heads, head_dim)
+        return query, rows[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(5, kv_heads, head_dim)
+
+    reference = qkv.cpu().clone()
+    expected_query, expected_key = ops.qk_norm_rotary(*heads(reference), q_weight, k_weight, 1e-6, cos, sin)
+    value = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
+    device_weights = (q_weight.to(DEVICE), k_weight.to(DEVICE))
+    query, key = heads(qkv)
+    fused.qk_norm_rotary_(
+        qkv[:, : (q_heads + kv_heads) * head_dim].view(5, q_heads + kv_heads, head_dim),
+        q_heads,
+        *device_weights,
+        1e-6,
+        cos.to(DEVICE),
+        sin.to(DEVICE),
+    )
+    close(query, expected_query.to(DEVICE))
+    close(key, expected_key.to(DEVICE))
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], value)  # the value heads are left alone

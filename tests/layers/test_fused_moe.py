@@ -7,7 +7,15 @@ import os
 import pytest
 import torch
 
-from kestrel.layers.fused_moe import MoeLaunch, fused_moe, group_by_expert, moe_launch, sort_by_expert
+from kestrel.layers.fused_moe import (
+    MoeLaunch,
+    expected_repeats,
+    fused_moe,
+    group_by_expert,
+    moe_launch,
+    route,
+    sort_by_expert,
+)
 from kestrel.layers.moe import SparseMoe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,3 +78,45 @@ def test_row_blocks_follow_the_rows_each_expert_gets():
     assert moe_launch(1 * 8, 128).block_m == 16  # a decode token: a row or two per expert
     assert moe_launch(512 * 8, 128).block_m == 32
     assert moe_launch(8192 * 8, 128).block_m == 64  # a large prefill: hundreds per expert
+
+
+@pytest.mark.parametrize(
+    "num_experts, top_k, renormalize, shared", [(6, 2, True, False), (128, 8, False, True), (10, 3, True, True)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_routing_kernel_picks_and_weighs_as_the_torch_path(num_experts, top_k, renormalize, shared, dtype):
+    torch.manual_seed(num_experts)
+    moe = SparseMoe(16, 8, num_experts, top_k, renormalize)
+    logits = torch.randn(37, num_experts).to(dtype)
+    shared_logits = torch.randn(37, 1).to(dtype) if shared else None
+    expected_weights, expected_experts = moe.route_reference(logits, dtype, shared_logits)
+    weights, experts = route(logits.to(DEVICE), top_k, renormalize, dtype, shared_logits)
+    assert experts.shape == weights.shape == (37, top_k + shared)
+    # bf16 logits tie often; either of two tied experts is right, so compare what each chose.
+    chosen = logits.gather(1, experts.cpu()[:, :top_k].long())
+    assert chosen.tolist() == logits.gather(1, expected_experts[:, :top_k]).tolist()
+    assert experts.cpu()[:, top_k:].tolist() == expected_experts[:, top_k:].tolist()
+    torch.testing.assert_close(weights.cpu(), expected_weights, atol=1e-6 if dtype == torch.float32 else 8e-3, rtol=0)
+
+
+def test_the_routing_kernel_breaks_ties_by_the_lower_index():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0]], device=DEVICE)
+    weights, experts = route(logits, 2, True, torch.float32)
+    assert experts.tolist() == [[1, 3]]
+    assert weights.tolist() == [[0.5, 0.5]]
+
+
+def test_rows_that_would_rarely_share_an_expert_are_not_grouped():
+    assert expected_repeats(8, 128) < 1  # one decode token, top 8 of 128: its own blocks
+    assert expected_repeats(16, 128) < 1
+    assert expected_repeats(4 * 8, 128) > 1  # four tokens: grouping saves repeated reads
+    torch.manual_seed(1)
+    moe = SparseMoe(32, 24, 4, 2, True).to(DEVICE)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    hidden = torch.randn(3, 32, device=DEVICE)
+    experts = torch.tensor([[1, 2], [1, 0], [2, 1]], device=DEVICE)  # experts 1 and 2 chosen thrice
+    weights = torch.rand(3, 2, device=DEVICE)
+    expected = moe.grouped(hidden, weights, experts)
+    got = fused_moe(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts)
+    torch.testing.assert_close(got, expected, atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
