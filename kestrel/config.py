@@ -10,12 +10,17 @@ from kestrel.engine.speculative import SpeculativeConfig
 
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names
+QUANTIZATIONS = (None, "none", "int4")
 
 
 @dataclass(frozen=True)
 class EngineArgs:
     model: str
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    # Weight-only quantization applied after loading (vLLM's name): "int4" (4-bit groups of 32,
+    # the CPU), "none", or None: int4 where a GGUF stores its weights in 4 bits and the device
+    # is the CPU, else as loaded.
+    quantization: str | None = None
     # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": keys and values stored as float8 e4m3,
     # which halves the bytes decode reads (and doubles the tokens the pool holds).
     kv_cache_dtype: str = "auto"
@@ -61,6 +66,11 @@ class EngineArgs:
             (
                 self.kv_cache_dtype in KV_CACHE_DTYPES,
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+            ),
+            (
+                self.quantization in QUANTIZATIONS,
+                f"quantization={self.quantization!r} is not supported yet; supported: "
+                + ", ".join(repr(q) for q in QUANTIZATIONS),
             ),
             (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
             (self.page_size >= 1, f"page_size must be at least 1, got {self.page_size}"),

@@ -16,6 +16,7 @@ from torch import nn
 
 from kestrel.core.layer_spec import AttentionLayer
 from kestrel.layers.moe import SparseMoe
+from kestrel.layers.quantized import Int4Weight
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class ModelCost:
         table = spec.vocab_size * spec.hidden_size
         element = torch.empty((), dtype=parts.dtype).element_size()
         all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        all_params = sum(p.numel() for p in model.parameters())
+        all_params = sum(p.numel() for p in model.parameters()) + _packed_params_unpacked(model)
         # An untied embedding table is only looked up (a few rows a step); a tied one is the LM head.
         dense_bytes = all_bytes - expert_bytes - (0 if spec.tie_word_embeddings else table * element)
         dense_params = all_params - expert_params - table * (1 if spec.tie_word_embeddings else 2)
@@ -76,6 +77,18 @@ class ModelCost:
         to `context` tokens; the LM head is counted apart."""
         active = self.dense_params + sum(stack.top_k * stack.params_per_expert for stack in self.experts)
         return 2 * active + 4 * self.attention_width * context
+
+
+def _packed_params_unpacked(model: nn.Module) -> int:
+    """What 4-bit packing hides from a count of parameter elements: each packed weight holds
+    rows x columns weights in fewer, wider elements (plus its scales)."""
+    hidden = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, Int4Weight):
+            hidden += weight.out_features * weight.in_features - weight.packed.numel()
+            hidden -= weight.scales_and_zeros.numel()
+    return hidden
 
 
 def _expert_stack(moe: SparseMoe) -> ExpertStack:

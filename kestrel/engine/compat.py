@@ -34,7 +34,6 @@ WITHOUT_EFFECT = {
 
 # Accepted only at their default: anything else asks for what Kestrel does not do yet.
 DEFAULT_ONLY = {
-    "quantization": None,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "cpu_offload_gb": 0,

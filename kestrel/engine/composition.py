@@ -29,6 +29,7 @@ from kestrel.core.warm_up import warm_up
 from kestrel.core.workspace import Workspace
 from kestrel.distributed.executor import LocalExecutor, MultiprocessExecutor, TensorParallelExecutor, start_workers
 from kestrel.distributed.group import GroupAddress, join_group, rank_args
+from kestrel.layers.quantized import quantize_linears
 from kestrel.logs import log_duration
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import recipe_for
@@ -55,6 +56,7 @@ class EngineParts:
     runtime: DeviceRuntime
     spec: ModelSpec
     dtype: torch.dtype
+    quantization: str | None  # the weight-only quantization applied after loading
     kv: PagedKVProvider
     recurrent: RecurrentStateProvider | None  # hybrid models' linear-attention state slots
     groups: Mapping[str, StateGroup]  # every state group, the two above among them
@@ -95,6 +97,20 @@ def resolve_dtype(name: str, hf_config: Any, runtime: DeviceRuntime) -> torch.dt
         raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16")
     runtime.check_dtype(DTYPES[name])
     return DTYPES[name]
+
+
+def resolve_quantization(name: str | None, checkpoint: Checkpoint | None, runtime: DeviceRuntime) -> str | None:
+    """The weight-only quantization to apply after loading, or None."""
+    if name is None:
+        # A GGUF stored in 4 bits stays 4-bit where a kernel reads it (the CPU); a GPU runs it
+        # dequantized until it has 4-bit kernels of its own.
+        stored = checkpoint.stored_quantization() if checkpoint is not None else None
+        return stored if runtime.name == "cpu" else None
+    if name == "none":
+        return None
+    if runtime.name != "cpu":
+        raise ValueError(f"quantization={name!r} runs on the CPU only (torch's 4-bit CPU kernel); use device='cpu'")
+    return name
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -247,6 +263,7 @@ class RankParts:
     runtime: DeviceRuntime
     spec: ModelSpec
     dtype: torch.dtype
+    quantization: str | None
     kv: PagedKVProvider
     recurrent: RecurrentStateProvider | None
     runner: ModelRunner
@@ -274,6 +291,10 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     )
     with log_duration(logger, f"loading {spec.architecture} weights ({args.load_format}) from {args.model}"):
         model = load_model(recipe, spec, checkpoint, runtime.device, dtype, args.load_format, args.seed, parallel)
+    quantization = resolve_quantization(args.quantization, checkpoint, runtime)
+    if quantization is not None:
+        with log_duration(logger, f"packing the decoder's weights ({quantization})"):
+            quantize_linears(model, quantization)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     kv_spec, fixed_specs = split_state_groups(spec, dtype, kv_dtype, args.page_size, parallel)
@@ -326,7 +347,9 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
     runner = ModelRunner(model, groups, runtime, workspace, max_num_batched_tokens, graphs, sampling, parallel)
     with log_duration(logger, "warm-up"):
         warm_up(runner, *runtime.warm_up_size(max_num_batched_tokens, args.max_num_seqs), max_model_len)
-    return RankParts(runtime, spec, dtype, kv, recurrent, runner, max_model_len, max_num_batched_tokens, checkpoint)
+    return RankParts(
+        runtime, spec, dtype, quantization, kv, recurrent, runner, max_model_len, max_num_batched_tokens, checkpoint
+    )
 
 
 def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, TensorParallelExecutor]:
@@ -378,6 +401,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         runtime=rank.runtime,
         spec=rank.spec,
         dtype=rank.dtype,
+        quantization=rank.quantization,
         kv=rank.kv,
         recurrent=rank.recurrent,
         groups=rank.runner.groups,

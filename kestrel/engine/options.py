@@ -79,7 +79,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     # vLLM's flags: the same names as the offline API's vLLM arguments (engine/compat.py).
     parser.add_argument("--block-size", type=int, default=None, help="vLLM's name for --page-size")
     parser.add_argument("--trust-remote-code", action="store_true", help="accepted; Kestrel runs no checkpoint code")
-    parser.add_argument("--quantization", "-q", default=None, help="not supported yet: only unquantized weights")
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="int4: decoder weights kept as 4-bit groups of 32 (CPU); none: as loaded; "
+        "default: int4 for a GGUF stored in Q4_0/Q4_1 on the CPU, else none",
+    )
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--swap-space", type=float, default=None, help="accepted; preemption recomputes")
 
@@ -89,11 +95,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     vllm_flags = {
         name: value
-        for name in ("trust_remote_code", "quantization", "enable_chunked_prefill", "swap_space")
+        for name in ("trust_remote_code", "enable_chunked_prefill", "swap_space")
         if (value := getattr(args, name)) not in (None, False)
     }
     return resolve_vllm_arguments(vllm_flags) | dict(
         dtype=args.dtype,
+        quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_model_len=args.max_model_len,

@@ -248,7 +248,12 @@ def choose_matvec_kernels(model: torch.nn.Module) -> dict[tuple[int, int, torch.
     choices: dict[tuple[int, int, torch.dtype], bool] = {}
     for module in model.modules():
         weight = getattr(module, "matvec_weight", None)
-        if weight is None or weight.dim() != 2 or not weight.is_cuda or weight.dtype not in GEMV_DTYPES:
+        if (
+            not isinstance(weight, torch.Tensor)
+            or weight.dim() != 2
+            or not weight.is_cuda
+            or weight.dtype not in GEMV_DTYPES
+        ):
             continue
         key = (weight.shape[0], weight.shape[1], weight.dtype)
         if key not in choices:

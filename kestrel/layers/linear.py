@@ -11,17 +11,32 @@ from torch import nn
 from kestrel.core.parallel import TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.layers import ops
+from kestrel.layers.quantized import Int4Weight, quantize_int4
 
 
 class Linear(nn.Module):
     # Whether a one-row input takes the Triton matvec: set by `choose_matvec_kernels` at
     # start-up, before any graph is captured, from a measurement on this weight's shape.
     use_gemv = False
+    # Whether `quantize_linears` may pack this weight (the decoder's projections, not a router).
+    quantizable = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | Int4Weight = nn.Parameter(
+            torch.empty(out_features, in_features), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def quantize_int4(self) -> None:
+        """Pack the loaded weight to 4 bits; every op that takes `self.weight` dispatches on it.
+        The packed tensors stay registered as parameters, so what counts weight bytes sees them."""
+        packed = quantize_int4(self.weight)
+        del self.weight
+        self.weight_packed = nn.Parameter(packed.packed, requires_grad=False)
+        self.weight_scales_and_zeros = nn.Parameter(packed.scales_and_zeros, requires_grad=False)
+        self.weight = packed
 
     @property
     def matvec_weight(self) -> torch.Tensor:
@@ -65,8 +80,13 @@ class ColumnParallelLinear(Linear):
     """Output rows split across ranks; one or several checkpoint tensors stack into it (q, k,
     v -> qkv; gate, up). Each shard knows which of the checkpoint's rows this rank holds."""
 
-    def __init__(self, in_features: int, shards: dict[str | None, ShardSlice], bias: bool = False) -> None:
+    quantizable = True
+
+    def __init__(
+        self, in_features: int, shards: dict[str | None, ShardSlice], bias: bool = False, quantizable: bool = True
+    ) -> None:
         super().__init__(in_features, sum(shard.size for shard in shards.values()), bias)
+        self.quantizable = quantizable
         self.shards = dict(shards)
         self.output_sizes = {name: shard.size for name, shard in shards.items()}
         self._offsets, start = {}, 0
@@ -91,6 +111,8 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """Input columns split across ranks: each rank's partial product is summed across ranks,
     then the (replicated) bias added once."""
+
+    quantizable = True
 
     def __init__(self, in_features: int, out_features: int, parallel: TensorParallel, bias: bool = False) -> None:
         part = parallel.split(in_features, "the input width of a row-parallel layer")

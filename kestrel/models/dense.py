@@ -187,7 +187,9 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(spec, parallel, layer, norm)
         # The LM head holds the same vocabulary block as the embedding (tied or not).
         rows = {None: vocab_rows(spec.vocab_size, parallel)}
-        self.lm_head = None if spec.tie_word_embeddings else ColumnParallelLinear(spec.hidden_size, rows)
+        self.lm_head = (
+            None if spec.tie_word_embeddings else ColumnParallelLinear(spec.hidden_size, rows, quantizable=False)
+        )
 
     use_gemv = False  # for the LM head, as `Linear.use_gemv`
 

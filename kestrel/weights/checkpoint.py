@@ -60,6 +60,11 @@ class Checkpoint(ABC):
     def eos_token_ids(self) -> frozenset[int]:
         """The token ids generation stops at, beyond the config's and the tokenizer's own."""
 
+    def stored_quantization(self) -> str | None:
+        """The weight-only quantization that keeps what the file stores ("int4" for 4-bit
+        groups), or None where its weights are floats."""
+        return None
+
 
 class SafetensorsCheckpoint(Checkpoint):
     """A Hugging Face directory: config.json, *.safetensors (sharded or not), tokenizer files."""
@@ -162,6 +167,11 @@ class GgufCheckpoint(Checkpoint):
         from kestrel.weights.gguf_tokenizer import end_of_turn_ids
 
         return end_of_turn_ids(self.file)
+
+    def stored_quantization(self) -> str | None:
+        from kestrel.weights.gguf_checkpoint import stored_quantization
+
+        return stored_quantization(self.file)
 
 
 def load_tokenizer_from(source: str) -> Any:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from gguf import GGMLQuantizationType
 
 from kestrel.weights.gguf_file import GgufFile
 
@@ -134,3 +135,15 @@ def hf_tensors(file: GgufFile) -> Iterator[tuple[str, torch.Tensor]]:
         if arch.interleaved_qk and match and match.group(2) in heads:
             tensor = _half_split_rows(tensor, heads[match.group(2)])
         yield hf_name(name), tensor
+
+
+# 4-bit GGML types whose groups of 32 `quantize_int4` holds: Q4_1's exactly (the same min-max
+# grid), Q4_0's re-fitted to each group's own range.
+_FOUR_BIT = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
+
+
+def stored_quantization(file: GgufFile) -> str | None:
+    """ "int4" where most of the decoder's matrices are stored in 4 bits."""
+    matrices = [info for name, info in file.tensors.items() if _LAYER_TENSOR.fullmatch(name) and len(info.shape) == 2]
+    four_bit = sum(info.quant_type in _FOUR_BIT for info in matrices)
+    return "int4" if matrices and 2 * four_bit > len(matrices) else None
