@@ -11,7 +11,7 @@ from torch import nn
 from kestrel.core.parallel import TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.layers import ops
-from kestrel.layers.quantized import Int4Weight, quantize_int4
+from kestrel.layers.quantized import Int4Weight, quantize_int4, register_packed
 
 
 class Linear(nn.Module):
@@ -34,8 +34,7 @@ class Linear(nn.Module):
         The packed tensors stay registered as parameters, so what counts weight bytes sees them."""
         packed = quantize_int4(self.weight)
         del self.weight
-        self.weight_packed = nn.Parameter(packed.packed, requires_grad=False)
-        self.weight_scales_and_zeros = nn.Parameter(packed.scales_and_zeros, requires_grad=False)
+        register_packed(self, "weight", packed)
         self.weight = packed
 
     @property

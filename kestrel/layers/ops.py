@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kestrel.layers.quantized import Int4Weight, int4_linear
+from kestrel.layers.quantized import PackedWeight
 
 # oneDNN's matmul beats the default BLAS path on the CPU from about 16 rows (batched decode
 # steps; measured on a 2-core Xeon: the 64 x 512 x 64000 LM head, 20.7 -> 17.8 ms); below
@@ -25,13 +25,13 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take 
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None, use_gemv: bool = False
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None, use_gemv: bool = False
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), for 2-D `x`. `use_gemv`: a one-row CUDA input takes the Triton
     matvec (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight).
-    A packed 4-bit weight (layers/quantized.py) takes its own kernel."""
-    if isinstance(weight, Int4Weight):
-        return int4_linear(x, weight, bias)
+    A packed weight (layers/quantized.py) takes its own kernel."""
+    if isinstance(weight, PackedWeight):
+        return weight.linear(x, bias)
     if (
         _ONEDNN_LINEAR
         and x.device.type == "cpu"
