@@ -16,7 +16,7 @@ from torch import nn
 
 from kestrel.core.layer_spec import AttentionLayer
 from kestrel.layers.moe import SparseMoe
-from kestrel.layers.quantized import Int4Weight
+from kestrel.layers.quantized import WIDE_MIN_ROWS, Int4Weight
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class ModelCost:
     kv_bytes_per_token: int  # one token of context, over every attention layer
     recurrent_bytes_per_sequence: int  # one sequence's state, over every linear-attention layer
     attention_width: int  # sum over attention layers of heads x head_dim (the score FLOPs)
+    # Packed 4-bit weights with a bfloat16 copy: what a step of WIDE_MIN_ROWS rows or more reads
+    # beyond `dense_weight_bytes` (the copy, not the 4-bit codes).
+    wide_extra_bytes: int = 0
+    num_params: int = 0  # every weight, counted unpacked
 
     @classmethod
     def of(cls, parts) -> ModelCost:
@@ -52,20 +56,26 @@ class ModelCost:
         expert_params = sum(stack.params_per_expert * stack.num_experts for stack in experts)
         table = spec.vocab_size * spec.hidden_size
         element = torch.empty((), dtype=parts.dtype).element_size()
-        all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        all_params = sum(p.numel() for p in model.parameters()) + _packed_params_unpacked(model)
+        packed = [w for w in (getattr(m, "weight", None) for m in model.modules()) if isinstance(w, Int4Weight)]
+        wide_bytes = sum(_bytes(w.wide) for w in packed if w.wide is not None)
+        narrow_bytes = sum(_bytes(w.packed) + _bytes(w.scales_and_zeros) for w in packed if w.wide is not None)
+        all_bytes = sum(_bytes(p) for p in model.parameters()) - wide_bytes  # a one-row step reads the codes
+        all_params = sum(p.numel() for p in model.parameters()) + _packed_params_unpacked(packed)
         # An untied embedding table is only looked up (a few rows a step); a tied one is the LM head.
         dense_bytes = all_bytes - expert_bytes - (0 if spec.tie_word_embeddings else table * element)
         dense_params = all_params - expert_params - table * (1 if spec.tie_word_embeddings else 2)
         kv = parts.kv.spec
         recurrent = parts.recurrent.spec.bytes_per_slot() if parts.recurrent is not None else 0
         width = sum(layer.num_heads * layer.head_dim for layer in spec.layers if isinstance(layer, AttentionLayer))
-        return cls(dense_bytes, dense_params, table, experts, kv.bytes_per_page() // kv.page_size, recurrent, width)
+        kv_per_token = kv.bytes_per_page() // kv.page_size
+        wide_extra = wide_bytes - narrow_bytes
+        return cls(dense_bytes, dense_params, table, experts, kv_per_token, recurrent, width, wide_extra, all_params)
 
     def weight_bytes(self, batch: int) -> float:
         """Weight bytes one decode step of `batch` sequences reads."""
         routed = sum(stack.expected_distinct(batch) * stack.bytes_per_expert for stack in self.experts)
-        return self.dense_weight_bytes + routed
+        wide = self.wide_extra_bytes if batch >= WIDE_MIN_ROWS else 0
+        return self.dense_weight_bytes + wide + routed
 
     def decode_step_bytes(self, batch: int, mean_context: float) -> float:
         """Bytes one decode step of `batch` sequences of `mean_context` tokens moves."""
@@ -79,15 +89,16 @@ class ModelCost:
         return 2 * active + 4 * self.attention_width * context
 
 
-def _packed_params_unpacked(model: nn.Module) -> int:
-    """What 4-bit packing hides from a count of parameter elements: each packed weight holds
-    rows x columns weights in fewer, wider elements (plus its scales)."""
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _packed_params_unpacked(packed: list[Int4Weight]) -> int:
+    """What packing hides from a count of parameter elements: each packed weight holds rows x
+    columns weights in fewer, wider elements, plus its scales (and any bfloat16 copy)."""
     hidden = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, Int4Weight):
-            hidden += weight.out_features * weight.in_features - weight.packed.numel()
-            hidden -= weight.scales_and_zeros.numel()
+    for weight in packed:
+        hidden += weight.out_features * weight.in_features - sum(t.numel() for t in weight.tensors().values())
     return hidden
 
 

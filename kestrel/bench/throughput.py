@@ -12,6 +12,7 @@ import torch
 
 from kestrel.bench.latency import copy_bandwidth
 from kestrel.bench.limits import ModelCost, compute_limit_tokens_per_s, memory_limit_tokens_per_s
+from kestrel.layers.quantized import COMPUTE_DTYPE
 from kestrel.models.spec import DecoderSpec
 
 
@@ -127,15 +128,17 @@ def run_throughput_benchmark(args: argparse.Namespace) -> int:
         hf = build_hf_model(args, dtype, device)
         time_hf(hf, prompts[:2], 4)
         results += [time_hf(hf, prompts[:1], args.output_len), time_hf(hf, prompts, args.output_len)]
-    rate = matmul_flops_per_s(args.num_prompts, spec, dtype, device)
+    # The fastest rate any of its matmuls may run at: 4-bit weights compute in bfloat16.
+    compute_dtypes = {dtype} | ({COMPUTE_DTYPE} if llm.engine.parts.quantization else set())
+    rate = max(matmul_flops_per_s(args.num_prompts, spec, d, device) for d in compute_dtypes)
     cost = ModelCost.of(llm.engine.parts)
     limit = compute_limit_tokens_per_s(cost, args.num_prompts, args.input_len, args.output_len, rate)
     bandwidth = copy_bandwidth(device, 1 << 28)
     memory_limit = memory_limit_tokens_per_s(
         cost, args.num_prompts, args.input_len, args.output_len, args.max_num_seqs, bandwidth
     )
-    num_params = sum(p.numel() for p in llm.engine.parts.runner.model.parameters())
-    print(f"model {spec.architecture}, {num_params / 1e6:.1f}M parameters, {dtype}, {device}")
+    quantized = f", {llm.engine.parts.quantization} weights" if llm.engine.parts.quantization else ""
+    print(f"model {spec.architecture}, {cost.num_params / 1e6:.1f}M parameters, {dtype}{quantized}, {device}")
     print(f"workload: input {args.input_len}, output {args.output_len} tokens per request")
     print(f"{'engine':<18}{'concurrency':>12}{'requests/s':>12}{'output tok/s':>14}")
     for m in results:

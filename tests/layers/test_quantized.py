@@ -9,6 +9,7 @@ from kestrel.layers.linear import ColumnParallelLinear, Linear, ShardSlice
 from kestrel.layers.quantized import (
     COMPUTE_DTYPE,
     GROUP_SIZE,
+    WIDE_MIN_ROWS,
     dequantize_int4,
     int4_linear,
     quantize_int4,
@@ -78,8 +79,20 @@ def test_only_the_decoder_projections_are_packed():
     assert quantize_linears(block, "int4") == 1
     assert isinstance(block.router.weight, torch.nn.Parameter) and isinstance(block.lm_head.weight, torch.nn.Parameter)
     packed_bytes = sum(p.numel() * p.element_size() for name, p in block.qkv.named_parameters())
-    assert packed_bytes < 96 * 64 * 4 / 6  # about 4.5 bits a weight instead of 32
+    # 4 bits a weight, 1 for its group's bf16 scale and zero, 16 more where a bf16 copy is kept
+    bits = 4 + 1 + (16 if block.qkv.weight.wide is not None else 0)
+    assert packed_bytes == pytest.approx(96 * 64 * bits / 8)
     expected = x.to(COMPUTE_DTYPE).float() @ dequantize_int4(block.qkv.weight).T
     torch.testing.assert_close(block.qkv(x), expected, atol=0.05, rtol=0.02)
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         quantize_linears(block, "int3")
+
+
+@pytest.mark.skipif(quantize_int4(torch.zeros(16, 32)).wide is None, reason="this CPU has no bfloat16 matmuls")
+def test_many_rows_take_the_bfloat16_copy_of_the_same_4_bit_values():
+    torch.manual_seed(4)
+    weight, x = torch.randn(64, 96), torch.randn(WIDE_MIN_ROWS + 3, 96)
+    packed = quantize_int4(weight)
+    torch.testing.assert_close(packed.wide.float(), dequantize_int4(packed), atol=0, rtol=0)
+    one_at_a_time = torch.cat([int4_linear(row[None], packed) for row in x])
+    torch.testing.assert_close(int4_linear(x, packed), one_at_a_time, atol=0.05, rtol=0.02)
