@@ -18,8 +18,7 @@ class EngineArgs:
     model: str
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     # Weight-only quantization applied after loading (vLLM's name): "int4" (4-bit groups of 32,
-    # the CPU), "none", or None: int4 where a GGUF stores its weights in 4 bits and the device
-    # is the CPU, else as loaded.
+    # the CPU), or None / "none": the weights as loaded.
     quantization: str | None = None
     # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": keys and values stored as float8 e4m3,
     # which halves the bytes decode reads (and doubles the tokens the pool holds).

@@ -83,8 +83,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        help="int4: decoder weights kept as 4-bit groups of 32 (CPU); none: as loaded; "
-        "default: int4 for a GGUF stored in Q4_0/Q4_1 on the CPU, else none",
+        help="int4: the decoder's weights packed to 4-bit groups of 32 after loading (CPU; a GGUF stored "
+        "in Q4_1 keeps its own codes); default: the weights as loaded",
     )
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--swap-space", type=float, default=None, help="accepted; preemption recomputes")
