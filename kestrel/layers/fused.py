@@ -125,6 +125,21 @@ def rotate_half_pair(first, second, cos_row_ptr, sin_row_ptr, cols, mask, HALF: 
 
 
 @triton.jit
+def _head_block(
+    x_ptr, stride_x_token, stride_x_head, num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr
+):
+    """This program's token, its HEADS heads, and where the first half of each lies (the
+    second is HALF further): one program per token and HEADS of its heads."""
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < HALF
+    mask = (heads < num_heads)[:, None] & inside[None, :]
+    base = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head + cols[None, :]
+    return token, heads, cols, inside, mask, base
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,
     cos_ptr,
@@ -138,12 +153,9 @@ def _rotary_kernel(
     HEADS: tl.constexpr,
 ):
     """One program per token and HEADS of its heads, which share the token's cos and sin."""
-    token = tl.program_id(0)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < HALF
-    mask = (heads < num_heads)[:, None] & inside[None, :]
-    base = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head + cols[None, :]
+    token, heads, cols, inside, mask, base = _head_block(
+        x_ptr, stride_x_token, stride_x_head, num_heads, HALF, BLOCK, HEADS
+    )
     first = tl.load(base, mask=mask, other=0.0)
     second = tl.load(base + HALF, mask=mask, other=0.0)
     cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
@@ -172,12 +184,9 @@ def _qk_norm_rotary_kernel(
     """In place, HEADS of one token's query-then-key heads: each RMS-normalised over its
     head_dim with the query's or the key's weight, rounded as `_rms_norm_kernel` rounds, then
     rotated as `_rotary_kernel` rotates."""
-    token = tl.program_id(0)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < HALF
-    mask = (heads < num_heads)[:, None] & inside[None, :]
-    base = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head + cols[None, :]
+    token, heads, cols, inside, mask, base = _head_block(
+        x_ptr, stride_x_token, stride_x_head, num_heads, HALF, BLOCK, HEADS
+    )
     first = tl.load(base, mask=mask, other=0.0)
     second = tl.load(base + HALF, mask=mask, other=0.0)
     dtype = first.dtype
