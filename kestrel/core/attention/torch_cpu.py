@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
-from kestrel.core.attention.torch_ref import TorchReferenceBackend, gather_pages
+from kestrel.core.attention.torch_ref import TorchReferenceBackend, gather_pages, store_kv_at
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
@@ -32,6 +32,34 @@ class DecodeMirror:
     key: torch.Tensor  # [rows, kv_heads, capacity, head_dim]
     value: torch.Tensor
     step: int  # the step it was last brought up to date in
+
+
+@dataclass
+class _StepIndex:
+    """What every layer of one step indexes by, computed once when the step is bound: each new
+    token's page and offset, the decode rows' appended positions, and their masks (per window
+    and width). A decode step of a 30-layer model otherwise rebuilt them 30 times."""
+
+    slots: torch.Tensor  # the step's slot mapping, as bound
+    slot_pages: torch.Tensor
+    slot_offsets: torch.Tensor
+    appended: tuple[torch.Tensor, torch.Tensor]  # (row, position) of each decode row's new token
+    masks: dict[tuple[int | None, int], torch.Tensor | None]
+
+    @classmethod
+    def of(cls, metadata: AttentionMetadata, page_size: int) -> _StepIndex:
+        slots = metadata.slot_mapping
+        decode = metadata.decode
+        rows = decode.num_seqs if decode is not None else 0
+        seq_lens = decode.seq_lens if decode is not None else slots.new_zeros(0)
+        appended = (torch.arange(rows), seq_lens - 1)
+        return cls(slots, slots // page_size, slots % page_size, appended, {})
+
+    def decode_mask(self, meta: DecodeMetadata, layer: AttentionLayerSpec, width: int) -> torch.Tensor | None:
+        key = (layer.sliding_window, width)
+        if key not in self.masks:
+            self.masks[key] = _decode_mask(meta, layer, width)
+        return self.masks[key]
 
 
 @dataclass(frozen=True)
@@ -75,6 +103,7 @@ class TorchCpuBackend(TorchReferenceBackend):
         self._previous: DecodeBatch | None = None
         self._continues = False  # whether this step's decode batch continues the previous one
         self._capacity = 0  # mirror length for this step's regathers
+        self._index: _StepIndex | None = None  # this step's indices, shared by every layer
 
     def bind(self, layout: BatchLayout) -> AttentionMetadata:
         self._step += 1
@@ -86,7 +115,15 @@ class TorchCpuBackend(TorchReferenceBackend):
         if not self._continues:
             self._capacity = longest + MIRROR_HEADROOM + (-longest) % self.page_size
         self._previous = decodes if decodes.seq_lens else None
-        return super().bind(layout)
+        metadata = super().bind(layout)
+        self._index = _StepIndex.of(metadata, self.page_size)
+        return metadata
+
+    def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        if self._index is None or slots is not self._index.slots:
+            super().store(cache, key, value, slots)
+            return
+        store_kv_at(cache, key, value, self._index.slot_pages, self._index.slot_offsets)
 
     def decode(
         self,
@@ -100,7 +137,7 @@ class TorchCpuBackend(TorchReferenceBackend):
     ) -> None:
         rows = meta.num_seqs
         keys, values = self._decode_context(cache, key[:rows], value[:rows], meta)
-        mask = _decode_mask(meta, layer, keys.shape[2])
+        mask = self._index.decode_mask(meta, layer, keys.shape[2])
         rows_per_head = layer.num_heads // layer.num_kv_heads
         grouped = query[:rows].reshape(rows, layer.num_kv_heads, rows_per_head, layer.head_dim)
         out = F.scaled_dot_product_attention(grouped.to(keys.dtype), keys, values, attn_mask=mask, scale=layer.scale)
@@ -141,8 +178,7 @@ class TorchCpuBackend(TorchReferenceBackend):
         layer_id = cache.layer_index
         mirror = self._mirrors.get(layer_id)
         if self._continues and mirror is not None and mirror.step == self._step - 1:
-            positions = meta.seq_lens - 1
-            every_row = torch.arange(rows)
+            every_row, positions = self._index.appended
             mirror.key[every_row, :, positions] = key.to(mirror.key.dtype)
             mirror.value[every_row, :, positions] = value.to(mirror.value.dtype)
         else:

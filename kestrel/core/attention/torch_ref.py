@@ -65,8 +65,15 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
     """key, value [tokens, kv_heads, dim] into their slots of the head-major pages (whatever
     their strides: KVLayerCache)."""
     page_size = cache.key.shape[2]
-    for pages, new in ((cache.key, key), (cache.value, value)):
-        _raw(pages)[:, slots // page_size, slots % page_size] = _raw(new.transpose(0, 1).to(pages.dtype))
+    store_kv_at(cache, key, value, slots // page_size, slots % page_size)
+
+
+def store_kv_at(
+    cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor
+) -> None:
+    """`store_kv` with each token's page and offset in it already split from its slot."""
+    for pool, new in ((cache.key, key), (cache.value, value)):
+        _raw(pool)[:, pages, offsets] = _raw(new.transpose(0, 1).to(pool.dtype))
 
 
 def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
