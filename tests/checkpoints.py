@@ -35,6 +35,7 @@ HYBRID = dict(
 
 def _family_configs(vocab_size: int, eos: int) -> dict:
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -81,10 +82,31 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
             mlp_only_layers=[2],
         ),
         "qwen3.5": Qwen3_5TextConfig(**dict(base, **HYBRID)),
+        # Sliding (window 8, local rope base) and global layers; prompts run past the window.
+        "gemma3": Gemma3TextConfig(
+            **dict(base, num_hidden_layers=3),
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            architectures=["Gemma3ForCausalLM"],
+        ),
     }
 
 
-FAMILIES = ("llama", "llama-mqa-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "qwen3-next", "qwen3.5")
+FAMILIES = (
+    "llama",
+    "llama-mqa-tied",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3-moe",
+    "mixtral",
+    "qwen3-next",
+    "qwen3.5",
+    "gemma3",
+)
 HYBRID_FAMILIES = ("qwen3-next", "qwen3.5")
 
 

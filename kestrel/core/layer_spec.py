@@ -91,6 +91,7 @@ class AttentionLayer(LayerSpec):
     head_dim: int
     sliding_window: int | None = None
     state_group: str = KV_GROUP
+    scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
 
     def for_rank(self, parallel: TensorParallel = SINGLE) -> AttentionLayerSpec:
         """The heads one rank computes: its query heads, its KV heads (replicated below one each)."""
@@ -98,7 +99,7 @@ class AttentionLayer(LayerSpec):
             num_heads=parallel.split(self.num_heads, "num_attention_heads"),
             num_kv_heads=parallel.head_slice(self.num_kv_heads, "num_key_value_heads")[1],
             head_dim=self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=self.scale if self.scale is not None else self.head_dim**-0.5,
             sliding_window=self.sliding_window,
         )
 

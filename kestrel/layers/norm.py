@@ -18,4 +18,20 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual) in one pass."""
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.effective_weight, self.eps, residual)
+
+    @property
+    def effective_weight(self) -> torch.Tensor:
+        """What the normalised values are multiplied by (for kernels that fuse the norm)."""
+        return self.weight
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint weight is the offset from one (zeros mean identity): Gemma,
+    Qwen3-Next."""
+
+    @property
+    def effective_weight(self) -> torch.Tensor:
+        # In float32, as HF computes it: in bf16, 1 + w keeps 8 bits, so an offset of 0.012
+        # would move by up to 0.004.
+        return self.weight.float() + 1

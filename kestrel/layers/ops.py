@@ -110,7 +110,7 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return (weight * x32.to(x.dtype)).to(x.dtype)  # a float32 weight (an offset norm's) too
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -53,15 +53,17 @@ def attention_layer_spec(spec: DecoderSpec, parallel: TensorParallel, index: int
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel) -> None:
+    def __init__(
+        self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel, norm: type[RMSNorm] = RMSNorm
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.layer_spec = attention_layer_spec(spec, parallel, layer_index)
         shards = attention_shards(spec, parallel)
         self.qkv_proj = ColumnParallelLinear(spec.hidden_size, shards, bias=spec.attention_bias)
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, parallel)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
@@ -83,8 +85,8 @@ class DecoderAttention(nn.Module):
             query, key = ops.qk_norm_rotary(
                 query.view(tokens, spec.num_heads, spec.head_dim),
                 key.view(tokens, spec.num_kv_heads, spec.head_dim),
-                self.q_norm.weight,
-                self.k_norm.weight,
+                self.q_norm.effective_weight,
+                self.k_norm.effective_weight,
                 self.q_norm.eps,
                 cos,
                 sin,
@@ -230,7 +232,12 @@ def decoder_bindings(
 
 def read_rope(hf_config: object, allow_partial: bool = False) -> RopeSpec:
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return rope_from_parameters(params, getattr(hf_config, "rope_theta", 10000.0), allow_partial)
+
+
+def rope_from_parameters(params: dict, default_theta: float, allow_partial: bool = False) -> RopeSpec:
+    """A RopeSpec from transformers' rope parameters (`rope_type`, `rope_theta`, scaling fields)."""
+    theta = params.get("rope_theta", default_theta)
     scaling = params.get("rope_type", params.get("type", "default"))
     if scaling not in ("default", "linear", "llama3"):
         raise ValueError(f"unsupported rope scaling {scaling!r}; supported: default, linear, llama3")

@@ -5,6 +5,28 @@ from __future__ import annotations
 from typing import Any
 
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Five 1,024-token window layers to each global one; the global rope is linearly scaled.
+    "gemma-3-12b": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    ),
     "qwen3-60m": dict(
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",

@@ -30,7 +30,7 @@ from kestrel.layers.gated_delta import (
 from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_varlen
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice, copy_into
 from kestrel.layers.moe import SparseMoe
-from kestrel.layers.norm import RMSNorm
+from kestrel.layers.norm import OffsetRMSNorm, RMSNorm
 from kestrel.layers.rotary import apply_rotary
 from kestrel.models.dense import (
     DecoderForCausalLM,
@@ -41,13 +41,6 @@ from kestrel.models.dense import (
     sparse_moe_args,
 )
 from kestrel.models.spec import LINEAR_ATTENTION, DecoderSpec, LinearAttentionSpec
-
-
-class OffsetRMSNorm(RMSNorm):
-    """RMSNorm whose checkpoint weight is the offset from one (zeros mean identity)."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight + 1, self.eps, residual)
 
 
 class GatedRMSNorm(RMSNorm):

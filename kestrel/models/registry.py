@@ -7,6 +7,7 @@ import importlib
 from kestrel.core.recipe import ModelRecipe
 
 _RECIPES: dict[str, str] = {
+    "Gemma3ForCausalLM": "kestrel.models.gemma3:Gemma3Recipe",
     "LlamaForCausalLM": "kestrel.models.llama:LlamaRecipe",
     "MistralForCausalLM": "kestrel.models.mistral:MistralRecipe",
     "MixtralForCausalLM": "kestrel.models.mixtral:MixtralRecipe",

@@ -13,6 +13,7 @@ from kestrel.core.recipe import ModelSpec
 from kestrel.layers.rotary import RopeSpec
 
 FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"  # attention over the last `sliding_window` tokens only
 LINEAR_ATTENTION = "linear_attention"
 
 
@@ -80,6 +81,8 @@ class DecoderSpec(ModelSpec):
     linear_attention: LinearAttentionSpec | None = None
     partial_rotary_factor: float = 1.0  # rotary embedding on this share of each head
     attention_output_gate: bool = False  # Qwen3-Next: sigmoid gate on the attention output
+    attention_scale: float | None = None  # the scores' scale where not head_dim ** -0.5 (Gemma)
+    local_rope: RopeSpec | None = None  # sliding-window layers' own rope, where it differs (Gemma 3)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -95,7 +98,21 @@ class DecoderSpec(ModelSpec):
                 linear.value_head_dim,
                 linear.conv_kernel,
             )
-        return AttentionLayer(self.num_heads, self.num_kv_heads, self.head_dim, self.sliding_window)
+        return AttentionLayer(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.window_of(index), scale=self.attention_scale
+        )
+
+    def window_of(self, index: int) -> int | None:
+        """A layer's sliding window: every layer's where no kinds are listed (Mistral), else
+        only the sliding layers' (Gemma 3)."""
+        if not self.layer_types or self.layer_kind(index) == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    def rope_of(self, index: int) -> RopeSpec:
+        if self.local_rope is not None and self.layer_kind(index) == SLIDING_ATTENTION:
+            return self.local_rope
+        return self.rope
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(index)

@@ -24,3 +24,20 @@ def test_linear_in_bfloat16_stays_close():
     torch.manual_seed(0)
     x, weight = torch.randn(16, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(ops.linear(x, weight).float(), F.linear(x, weight).float(), atol=0.1, rtol=0.02)
+
+
+def test_an_offset_norm_keeps_its_weight_in_float32_as_gemma_does():
+    from kestrel.layers.norm import OffsetRMSNorm
+
+    torch.manual_seed(5)
+    norm = OffsetRMSNorm(256, 1e-6)
+    norm.weight.data = (torch.randn(256) * 0.02).to(torch.bfloat16)  # offsets bf16 cannot add to 1
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = (normed * (1.0 + norm.weight.float())).to(torch.bfloat16)  # HF's Gemma3RMSNorm
+    got = norm(x)
+    assert got.dtype == torch.bfloat16
+    # One bf16 rounding of the normed values apart at most; with 1 + w rounded to bf16 the
+    # error would reach the offsets' own size.
+    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2**-7)
