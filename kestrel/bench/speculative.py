@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from kestrel.engine.options import add_engine_options
+from kestrel.engine.speculative import SequenceProposer
 from kestrel.sampling_params import SamplingParams
 
 PARAGRAPH = (
@@ -126,7 +127,7 @@ def add_speculative_bench_options(parser: argparse.ArgumentParser) -> None:
 # ---- simulated acceptance (a benchmark mode for random weights) ------------------------------
 
 
-class OracleProposer:
+class OracleProposer(SequenceProposer):
     """Drafts for one known sequence: the target model's own greedy continuation (recorded
     by a plain run), each draft token kept right with probability `rate` and otherwise made
     wrong. Random weights accept nothing by themselves; this measures what a verify step
@@ -139,7 +140,7 @@ class OracleProposer:
         self.expected, self.rate = expected, rate
         self._random = random.Random(seed)
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> tuple[int, ...]:
+    def propose_one(self, token_ids: list[int], num_tokens: int) -> tuple[int, ...]:
         start = len(token_ids)
         if start > len(self.expected) or token_ids[-1] != self.expected[start - 1]:
             return ()  # off the recorded path (the verify rows' rounding chose otherwise)

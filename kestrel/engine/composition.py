@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class EngineParts:
     max_model_len: int
     max_num_batched_tokens: int
     eos_token_ids: frozenset[int]
+    draft: RankParts | None = None  # speculative decoding's draft model: its own pool and runner
 
 
 def open_model(args: EngineArgs) -> tuple[Any, Checkpoint | None]:
@@ -275,7 +277,29 @@ class RankParts:
     checkpoint: Checkpoint | None
 
 
-def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
+@dataclass(frozen=True)
+class LoadedModel:
+    """A rank's model with its weights loaded, and what its state pools will be: the first
+    half of building a rank, before the KV budget is known."""
+
+    runtime: DeviceRuntime
+    spec: ModelSpec
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    quantization: str | None
+    model: torch.nn.Module
+    checkpoint: Checkpoint | None
+    backend_cls: type[AttentionBackend]
+    layer: AttentionLayerSpec  # this rank's attention layer shape, for the backend's buffers
+    kv_spec: KVCacheSpec
+    fixed_specs: dict[str, StateGroupSpec]
+    max_num_batched_tokens: int
+
+    def kv_bytes_per_token(self) -> float:
+        return self.kv_spec.bytes_per_page() / self.kv_spec.page_size
+
+
+def load_rank_model(args: EngineArgs, parallel: TensorParallel) -> LoadedModel:
     runtime = create_runtime(args.device)
     runtime.configure_process()
     configure_dependent_launch(args.dependent_launch)
@@ -299,13 +323,35 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         with log_duration(logger, f"packing the decoder's weights ({quantization})"):
             quantize_linears(model, quantization)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
-    max_num_batched_tokens = args.max_num_batched_tokens or default_batch_tokens
     kv_spec, fixed_specs = split_state_groups(spec, dtype, kv_dtype, args.page_size, parallel)
-    longest = args.max_model_len or spec.max_position_embeddings
+    return LoadedModel(
+        runtime,
+        spec,
+        dtype,
+        kv_dtype,
+        quantization,
+        model,
+        checkpoint,
+        backend_cls,
+        attention[0].for_rank(parallel),
+        kv_spec,
+        fixed_specs,
+        args.max_num_batched_tokens or default_batch_tokens,
+    )
+
+
+def build_rank(
+    args: EngineArgs, parallel: TensorParallel, loaded: LoadedModel | None = None, kv_share: float = 1.0
+) -> RankParts:
+    """A rank: its loaded model (`loaded`, or loaded now), pools and runner. `kv_share`: the
+    part of the KV budget this model's pool takes (a draft model's pool takes the rest)."""
+    loaded = loaded or load_rank_model(args, parallel)
+    runtime, model, backend_cls, layer = loaded.runtime, loaded.model, loaded.backend_cls, loaded.layer
+    kv_spec, max_num_batched_tokens = loaded.kv_spec, loaded.max_num_batched_tokens
+    longest = args.max_model_len or loaded.spec.max_position_embeddings
+    fixed_specs = loaded.fixed_specs
     fixed = build_fixed_pools(fixed_specs, args.max_num_seqs, num_state_snapshots(args, fixed_specs), runtime.device)
     recurrent = fixed.get(RECURRENT_GROUP)
-    layer = attention[0].for_rank(parallel)
-    sampling = parallel.rank == 0
 
     def profile() -> int:
         return profile_activation_bytes(
@@ -313,33 +359,59 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         )
 
     # Every rank must hold the same number of pages: the smallest budget of any rank.
-    budget = parallel.min_across_ranks(kv_budget_bytes(args, runtime, profile), runtime.device)
+    budget = parallel.min_across_ranks(int(kv_budget_bytes(args, runtime, profile) * kv_share), runtime.device)
     kv = PagedKVProvider(
         kv_spec,
         budget,
         runtime.device,
         # A hybrid model's cached prefix is usable only with a copy of its recurrent state.
         enable_prefix_caching=args.enable_prefix_caching and (recurrent is None or recurrent.num_snapshots > 0),
-        layout=backend_cls.kv_layout(kv_dtype),
+        layout=backend_cls.kv_layout(loaded.kv_dtype),
     )
     logger.info(
         "KV pool: %d pages of %d tokens (%s), %.2f GiB; attention backend %s",
         kv.num_pages,
         args.page_size,
-        str(kv_dtype).removeprefix("torch."),
+        str(loaded.kv_dtype).removeprefix("torch."),
         kv.num_pages * kv_spec.bytes_per_page() / GIB,
         backend_cls.name,
     )
     if recurrent is not None and kv.prefix_cache is not None:
         kv.prefix_cache.on_snapshot_dropped = recurrent.free_snapshot
-    max_model_len = resolve_max_model_len(args, spec, kv)
+    max_model_len = resolve_max_model_len(args, loaded.spec, kv)
+    runner = build_runner(args, loaded, kv, fixed, max_model_len, sampling=parallel.rank == 0, parallel=parallel)
+    return RankParts(
+        runtime,
+        loaded.spec,
+        loaded.dtype,
+        loaded.quantization,
+        kv,
+        recurrent,
+        runner,
+        max_model_len,
+        max_num_batched_tokens,
+        loaded.checkpoint,
+    )
+
+
+def build_runner(
+    args: EngineArgs,
+    loaded: LoadedModel,
+    kv: PagedKVProvider,
+    fixed: dict[str, StateProvider],
+    max_model_len: int,
+    sampling: bool,
+    parallel: TensorParallel,
+) -> ModelRunner:
+    """The runner over the rank's pools, its CUDA graphs captured and its kernels warmed up."""
+    runtime, model = loaded.runtime, loaded.model
     if runtime.name == "cuda":
         from kestrel.layers.gemv import choose_matvec_kernels  # Triton kernels: CUDA only
 
         with log_duration(logger, "choosing the one-row matvec kernel per weight shape"):
             choose_matvec_kernels(model)
     workspace = Workspace(runtime.device)
-    groups = state_groups(kv, backend_cls, layer, fixed, workspace, args.max_num_seqs)
+    groups = state_groups(kv, loaded.backend_cls, loaded.layer, fixed, workspace, args.max_num_seqs)
     graphs = None
     if runtime.supports_graphs and graphs_supported(groups) and not args.enforce_eager:
         graphs = DecodeGraphs(
@@ -347,12 +419,11 @@ def build_rank(args: EngineArgs, parallel: TensorParallel) -> RankParts:
         )
         with log_duration(logger, "capturing CUDA graphs"):
             graphs.capture()
-    runner = ModelRunner(model, groups, runtime, workspace, max_num_batched_tokens, graphs, sampling, parallel)
+    batch_tokens = loaded.max_num_batched_tokens
+    runner = ModelRunner(model, groups, runtime, workspace, batch_tokens, graphs, sampling, parallel)
     with log_duration(logger, "warm-up"):
-        warm_up(runner, *runtime.warm_up_size(max_num_batched_tokens, args.max_num_seqs), max_model_len)
-    return RankParts(
-        runtime, spec, dtype, quantization, kv, recurrent, runner, max_model_len, max_num_batched_tokens, checkpoint
-    )
+        warm_up(runner, *runtime.warm_up_size(batch_tokens, args.max_num_seqs), max_model_len)
+    return runner
 
 
 def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, TensorParallelExecutor]:
@@ -393,8 +464,14 @@ def snapshot_stops(args: EngineArgs, rank: RankParts) -> dict[str, int]:
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
+    draft = None
     if args.tensor_parallel_size > 1:
+        if wants_draft_model(args):
+            raise ValueError("speculative decoding with a draft model runs with tensor_parallel_size 1 only so far")
         rank, executor = build_tensor_parallel(args)
+    elif wants_draft_model(args):
+        rank, draft = build_with_draft(args)
+        executor = LocalExecutor(rank.runner)
     else:
         rank = build_rank(args, SINGLE)
         executor = LocalExecutor(rank.runner)
@@ -417,4 +494,55 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         max_model_len=rank.max_model_len,
         max_num_batched_tokens=rank.max_num_batched_tokens,
         eos_token_ids=eos_token_ids(rank.spec, tokenizer, rank.checkpoint),
+        draft=draft,
     )
+
+
+# ---- speculative decoding's draft model ------------------------------------------------------
+
+
+def wants_draft_model(args: EngineArgs) -> bool:
+    return args.speculative_config is not None and args.speculative_config.method == "draft_model"
+
+
+def draft_model_args(args: EngineArgs) -> EngineArgs:
+    """The draft model's engine args: the target's, but its own checkpoint, no prefix cache
+    (it catches up on a prompt by computing it) and a KV budget set once the target's is known."""
+    return dataclasses.replace(
+        args,
+        model=args.speculative_config.model,
+        tokenizer=None,
+        revision=None,
+        load_format="dummy" if args.load_format == "dummy" else "auto",
+        max_model_len=None,
+        kv_cache_memory_gb=None,
+        enable_prefix_caching=False,
+        speculative_config=None,
+        preemption_mode="recompute",
+    )
+
+
+def build_with_draft(args: EngineArgs) -> tuple[RankParts, RankParts]:
+    """The target and the draft model. Both load before the target sizes its pool (on a GPU
+    its budget is what both models' weights leave); the pools split the budget so each holds
+    the same number of tokens."""
+    target = load_rank_model(args, SINGLE)
+    draft_args = draft_model_args(args)
+    draft = load_rank_model(draft_args, SINGLE)
+    if draft.fixed_specs:
+        raise ValueError(
+            f"the draft model {draft_args.model} ({draft.spec.architecture}) keeps recurrent state; "
+            "a draft model must be attention-only so far"
+        )
+    if draft.spec.vocab_size > target.spec.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.spec.vocab_size} tokens) is larger than the target's "
+            f"({target.spec.vocab_size}): the two must share a tokenizer"
+        )
+    draft_per_token = draft.kv_bytes_per_token()
+    share = target.kv_bytes_per_token() / (target.kv_bytes_per_token() + draft_per_token)
+    target_rank = build_rank(args, SINGLE, target, kv_share=share)
+    # One page past the target's capacity: the budget's rounding down then never costs a page.
+    tokens = target_rank.kv.capacity_tokens + args.page_size
+    draft_args = dataclasses.replace(draft_args, kv_cache_memory_gb=tokens * draft_per_token / GIB)
+    return target_rank, build_rank(draft_args, SINGLE, draft)

@@ -33,12 +33,13 @@ from kestrel.core.transfer import HostSwap
 from kestrel.engine.admission import check_prompt_tokens, resolve_max_tokens
 from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kestrel.engine.draft_model import DraftModelProposer
 from kestrel.engine.output_shaping import OutputShaper
 from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.prefix_reuse import NO_HIT, PrefixHit, PrefixReuse
 from kestrel.engine.reasoning import reasoning_format
 from kestrel.engine.request import Request, RequestStatus
-from kestrel.engine.speculative import Speculation, SpeculationStats, kept_samples
+from kestrel.engine.speculative import DraftAsk, Speculation, SpeculationStats, kept_samples
 from kestrel.engine.structured_outputs import GrammarCache, StructuredOutputs
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
@@ -137,6 +138,10 @@ class LLMEngine:
                 "speculative decoding does not support hybrid (linear-attention) models yet: "
                 f"{self.parts.spec.architecture} keeps recurrent state"
             )
+        if args.speculative_config.method == "draft_model":
+            draft = self.parts.draft
+            proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, draft.max_num_batched_tokens)
+            return Speculation(args.speculative_config, proposer)
         return Speculation(args.speculative_config)
 
     def _structured_outputs(self, args: EngineArgs) -> StructuredOutputs | None:
@@ -234,6 +239,7 @@ class LLMEngine:
         """Drafts for every running request that decodes next (its prompt computed, its last
         token known). A constrained request's drafts end where its grammar would refuse one;
         while it is still reasoning (no mask yet) it decodes one token at a time."""
+        asks = []
         for request in self._running:
             request.draft_token_ids = ()
             decodes = request.num_computed_tokens == request.num_tokens - 1 and not request.num_pending_tokens
@@ -241,10 +247,11 @@ class LLMEngine:
             if not decodes or (constrained and not self.structured.constrained(request.request_id)):
                 continue
             room = request.max_tokens - request.num_output_tokens - 1  # the sample after the drafts
-            drafts = self.speculation.drafts_for(request.token_ids, room)
-            if constrained and drafts:
-                drafts = self.structured.valid_drafts(request.request_id, drafts)
-            request.draft_token_ids = drafts
+            asks.append(DraftAsk(request.request_id, request.token_ids, room))
+        for request_id, drafts in self.speculation.drafts_for(asks).items():
+            if drafts and self._requests[request_id].params.structured_outputs is not None:
+                drafts = self.structured.valid_drafts(request_id, drafts)
+            self._requests[request_id].draft_token_ids = drafts
 
     def _fail_broken_grammars(self) -> list[RequestOutput]:
         """Finish the waiting requests whose grammar failed to compile (it was checked when
@@ -501,6 +508,8 @@ class LLMEngine:
             self._waiting.remove(request)
         self._release_pages(request)
         self.parts.executor.release(request.request_id)
+        if self.speculation is not None:
+            self.speculation.release(request.request_id)
         self._grammar_open.pop(request.request_id, None)
         if self.structured is not None:
             self.structured.remove(request.request_id)

@@ -12,20 +12,24 @@ with probability min(1, p(d) / q(d)) = p(d) and otherwise samples from (p - q)+ 
 which is p restricted to tokens other than d. Drawing x ~ p and accepting d when x == d does
 both at once: it accepts with probability p(d), and a rejection's x is distributed as p
 given x != d. Greedy sampling is the case p = one-hot: the longest matching prefix.
+
+Proposers draft for the whole step at once (`Proposer.propose`): a draft model runs its
+drafts as batched steps of its own; prompt lookup answers each request alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's other method names: refused by name rather than run as something else.
-NOT_YET_SUPPORTED = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+NOT_YET_SUPPORTED = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 DEFAULT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 
@@ -54,7 +58,9 @@ class SpeculativeConfig:
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, "
                 f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
-        if self.model is not None:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft checkpoint")
+        if self.method == "ngram" and self.model is not None:
             raise ValueError(f"speculative_config method {self.method!r} takes no 'model'")
 
     @classmethod
@@ -82,7 +88,38 @@ class SpeculativeConfig:
         return cls(prompt_lookup_min=low, prompt_lookup_max=high, **fields)
 
 
-class NgramProposer:
+@dataclass(frozen=True)
+class DraftAsk:
+    """One request that drafts this step: its tokens so far and how many drafts to follow them."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_tokens: int
+
+
+class Proposer(Protocol):
+    """Drafts deterministically (the acceptance rule above relies on it), for a step's
+    requests at once; `release` forgets what it keeps of a finished request."""
+
+    def propose(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class SequenceProposer:
+    """A proposer that drafts for each request from its tokens alone and keeps nothing."""
+
+    def propose(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        return [self.propose_one(ask.token_ids, ask.num_tokens) for ask in asks]
+
+    def propose_one(self, token_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class NgramProposer(SequenceProposer):
     """Prompt lookup: where the sequence's last n tokens occurred before, the tokens that
     followed then are the draft. The longest n in [min, max] that matches wins, and among its
     matches the latest, whose continuation is the most likely to be repeated now."""
@@ -90,7 +127,7 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+    def propose_one(self, token_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             suffix = tokens[-n:]
@@ -143,12 +180,18 @@ class SpeculationStats:
 class Speculation:
     """The engine's drafting policy: which requests draft, how many tokens, from what."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculationStats()
 
-    def drafts_for(self, token_ids: Sequence[int], room: int) -> tuple[int, ...]:
-        """Up to `room` (and the configured number of) draft tokens to follow `token_ids`."""
-        count = min(self.config.num_speculative_tokens, room)
-        return self.proposer.propose(token_ids, count) if count > 0 else ()
+    def drafts_for(self, asks: Sequence[DraftAsk]) -> dict[str, tuple[int, ...]]:
+        """Drafts by request; each ask's `num_tokens` is its room, cut to the configured
+        number of drafts (an ask without room drafts nothing)."""
+        count = self.config.num_speculative_tokens
+        asks = [dataclasses.replace(a, num_tokens=min(count, a.num_tokens)) for a in asks if a.num_tokens > 0]
+        drafts = self.proposer.propose(asks) if asks else []
+        return {ask.request_id: tuple(d[: ask.num_tokens]) for ask, d in zip(asks, drafts)}
+
+    def release(self, request_id: str) -> None:
+        self.proposer.release(request_id)

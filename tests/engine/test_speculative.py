@@ -55,11 +55,11 @@ def test_config_errors_name_what_is_wrong(value, message):
 def test_ngram_takes_the_longest_suffix_match_then_the_latest():
     proposer = NgramProposer(1, 3)
     # "7 8 9" occurred once (followed by 1 2); "9" alone occurred later (followed by 5).
-    assert proposer.propose([7, 8, 9, 1, 2, 3, 9, 5, 6, 7, 8, 9], 3) == (1, 2, 3)
-    assert proposer.propose([4, 9, 5, 6, 9, 7, 0, 9], 2) == (7, 0)  # only "9" matches: the latest
-    assert proposer.propose([1, 2, 3, 4], 3) == ()  # nothing repeats
-    assert proposer.propose([5, 5], 4) == (5,)  # the continuation stops at the sequence's end
-    assert NgramProposer(2, 2).propose([1, 2, 3, 1, 4], 2) == ()  # a 1-gram match is below the minimum
+    assert proposer.propose_one([7, 8, 9, 1, 2, 3, 9, 5, 6, 7, 8, 9], 3) == (1, 2, 3)
+    assert proposer.propose_one([4, 9, 5, 6, 9, 7, 0, 9], 2) == (7, 0)  # only "9" matches: the latest
+    assert proposer.propose_one([1, 2, 3, 4], 3) == ()  # nothing repeats
+    assert proposer.propose_one([5, 5], 4) == (5,)  # the continuation stops at the sequence's end
+    assert NgramProposer(2, 2).propose_one([1, 2, 3, 1, 4], 2) == ()  # a 1-gram match is below the minimum
 
 
 def test_kept_samples_stop_after_the_first_mismatch():
@@ -290,3 +290,88 @@ def test_constrained_requests_draft_within_their_grammar(engines):
     assert alone.metrics.num_accepted_tokens > 0, "the constrained request's drafts were meant to stand"
     assert speculative.engine.stats().spec_decode_num_accepted_tokens > before
     assert_pool_balanced(speculative)
+
+
+# ---- a draft model ---------------------------------------------------------------------------
+
+
+def draft_config(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+def assert_draft_pool_empty(llm: LLM) -> None:
+    draft = llm.engine.parts.draft
+    assert draft.kv.num_used_pages == 0, "a finished request's draft pages were not freed"
+
+
+def test_a_draft_model_that_is_the_target_has_every_greedy_draft_accepted(checkpoint_dir):
+    """The draft pool catches up on each prompt and on each verify's outcome, so the target
+    drafting for itself proposes exactly its own greedy tokens (the draft knows no penalties:
+    the request with them is left out)."""
+    path = checkpoint_dir("qwen3")
+    batch = [{"prompt_token_ids": p["prompt_token_ids"][:-3]} for p in looping_prompts(4)]
+    params = PARAMS[:2] + PARAMS[3:]
+    common = dict(device="cpu", max_num_batched_tokens=64, page_size=8)
+    expected = generate(LLM(str(path), **common), batch, params)
+    llm = LLM(str(path), **common, speculative_config=draft_config(path, 4))
+    assert_same_outputs(generate(llm, batch, params), expected)
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 30
+    assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens
+    assert_pool_balanced(llm)
+    assert_draft_pool_empty(llm)
+
+
+@pytest.mark.parametrize("target", ["qwen3", "qwen3-moe"])
+def test_greedy_outputs_identical_with_another_draft_model(checkpoint_dir, target):
+    """A different model of the same tokenizer drafts: most drafts are wrong, none may change
+    the output, long prompts are fed to the draft over several steps."""
+    path = str(checkpoint_dir(target))
+    batch = looping_prompts(4) + [{"prompt_token_ids": list(range(30, 130))}]
+    common = dict(device="cpu", max_num_batched_tokens=48, page_size=8)
+    expected = generate(LLM(path, **common), batch, PARAMS)
+    llm = LLM(path, **common, speculative_config=draft_config(checkpoint_dir("llama")))
+    assert_same_outputs(generate(llm, batch, PARAMS), expected)
+    assert llm.engine.stats().spec_decode_num_drafts > 0
+    assert_pool_balanced(llm)
+    assert_draft_pool_empty(llm)
+
+
+def test_draft_model_under_preemption_keeps_outputs(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3"))
+    batch = looping_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
+    ample = LLM(path, device="cpu", page_size=8)
+    expected = generate(ample, batch, params)
+    # The budget is split between the two pools by their bytes per token: the target's share
+    # holds 16 pages, far fewer than 6 requests need at once.
+    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
+    config = draft_config(checkpoint_dir("qwen3"))
+    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=32.5 * page_bytes / 2**30, speculative_config=config)
+    assert tight.engine.parts.kv.num_pages == 16 and tight.engine.parts.draft.kv.num_pages >= 16
+    preemptions = []
+    original = tight.engine._apply
+    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    assert_same_outputs(generate(tight, batch, params), expected)
+    assert preemptions, "the pool was meant to be too small for every request at once"
+    assert tight.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert_pool_balanced(tight)
+    assert_draft_pool_empty(tight)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/dir"}, "/no/such/dir"),
+    ],
+)
+def test_draft_model_config_errors(config, message, checkpoint_dir):
+    with pytest.raises(Exception) as error:
+        LLM(str(checkpoint_dir("qwen3")), device="cpu", speculative_config=config)
+    assert message in str(error.value)
+
+
+def test_a_hybrid_draft_model_is_refused(checkpoint_dir):
+    with pytest.raises(ValueError, match="must be attention-only"):
+        LLM(str(checkpoint_dir("qwen3")), device="cpu", speculative_config=draft_config(checkpoint_dir("qwen3-next")))
