@@ -57,6 +57,11 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     A chunk's ids in this group are its slot, or (slot, read from, save to) where it starts
     from a snapshot or leaves its state in one too (`chunk_ids`): the kernels read and write
     snapshots as they read and write the slot, with no copies.
+
+    A tentative chunk (speculative decoding's verify chunk, `mark_rollback_point`) reads the
+    request's slot and writes a spare slot, so the state before it stays where it was: when
+    every token of the chunk stands, the spare becomes the request's slot; otherwise the spare
+    is dropped and the request steps back to the state before the chunk. No copies either way.
     """
 
     supports_graphs = True
@@ -72,6 +77,8 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         self._free = list(range(num_slots - 1, -1, -1))
         self._owned: dict[str, int] = {}
         self._num_tokens: dict[str, int] = {}  # tokens each request's state will reflect
+        self._rollback_points: dict[str, int] = {}  # marked for the request's next chunk
+        self._tentative: dict[str, tuple[int, int]] = {}  # request -> (spare slot, tokens its slot reflects)
         self.num_snapshots = num_snapshots
         first_snapshot = num_slots + 1
         self._free_snapshots = list(range(first_snapshot + num_snapshots - 1, first_snapshot - 1, -1))
@@ -97,10 +104,22 @@ class RecurrentStateProvider(StateProvider, StepBinder):
                 raise OutOfPagesError(f"request {request_id} needs a recurrent state slot but all are taken")
             slot = self._owned[request_id] = self._free.pop()
         self._num_tokens[request_id] = num_tokens
-        return [slot]
+        point = self._rollback_points.pop(request_id, None)
+        if point is None or not self._free:  # without a spare slot, a rollback starts over
+            return [slot]
+        spare = self._free.pop()
+        self._tentative[request_id] = (spare, point)
+        return list(chunk_ids(spare, read_from=slot))
+
+    def mark_rollback_point(self, request_id: str, num_tokens: int) -> None:
+        self._rollback_points[request_id] = num_tokens
 
     def release(self, request_id: str) -> None:
         self._num_tokens.pop(request_id, None)
+        self._rollback_points.pop(request_id, None)
+        tentative = self._tentative.pop(request_id, None)
+        if tentative is not None:
+            self._free.append(tentative[0])
         slot = self._owned.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
@@ -139,8 +158,19 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         return len(self._free_snapshots)
 
     def rollback(self, request_id: str, num_tokens: int) -> int:
-        """The state folds every token in: it cannot step back, so rolling back at all means
-        starting over (0 tokens kept; the sequence recomputes from its start)."""
+        """The state folds every token in: it cannot step back past a tentative chunk's start,
+        so rolling back into one keeps the state before it, and any other rollback starts
+        over (0 tokens kept; the sequence recomputes from its start)."""
+        tentative = self._tentative.pop(request_id, None)
+        if tentative is not None:
+            spare, point = tentative
+            if num_tokens >= self._num_tokens[request_id]:  # every token of the chunk stands
+                self._free.append(self._owned[request_id])
+                self._owned[request_id] = spare
+                return num_tokens
+            self._free.append(spare)
+            self._num_tokens[request_id] = point
+            return point
         if num_tokens >= self._num_tokens.get(request_id, 0):
             return num_tokens
         self._num_tokens[request_id] = 0

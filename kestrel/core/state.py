@@ -178,6 +178,13 @@ class StateProvider(ABC):
         """Forget the request's state past its first `num_tokens` tokens (rejected draft
         tokens); return how many tokens of state it keeps, which the caller recomputes from."""
 
+    def mark_rollback_point(self, request_id: str, num_tokens: int) -> None:
+        """The request's next chunk is tentative (a verify chunk): keep its state after its
+        first `num_tokens` tokens recoverable until the next `rollback`. Called before that
+        chunk's `reserve`. Nothing to do where state is per position (pages are overwritten
+        in place), so by default nothing is done."""
+        return None
+
     @abstractmethod
     def export(self, request_id: str) -> list[torch.Tensor]:
         """Host copies of the request's state (its units stay owned until `release`)."""

@@ -350,7 +350,9 @@ def build_rank(
     kv_spec, max_num_batched_tokens = loaded.kv_spec, loaded.max_num_batched_tokens
     longest = args.max_model_len or loaded.spec.max_position_embeddings
     fixed_specs = loaded.fixed_specs
-    fixed = build_fixed_pools(fixed_specs, args.max_num_seqs, num_state_snapshots(args, fixed_specs), runtime.device)
+    # Speculative decoding: a spare slot per request, where a verify chunk's state goes.
+    slots = args.max_num_seqs * (2 if args.speculative_config is not None else 1)
+    fixed = build_fixed_pools(fixed_specs, slots, num_state_snapshots(args, fixed_specs), runtime.device)
     recurrent = fixed.get(RECURRENT_GROUP)
 
     def profile() -> int:

@@ -131,13 +131,6 @@ class LLMEngine:
     def _speculation(self, args: EngineArgs) -> Speculation | None:
         if args.speculative_config is None:
             return None
-        if self.parts.recurrent is not None:
-            # Its recurrent state folds every token in, so a rejected draft could only be
-            # undone by recomputing the whole sequence; per-token state copies come first.
-            raise ValueError(
-                "speculative decoding does not support hybrid (linear-attention) models yet: "
-                f"{self.parts.spec.architecture} keeps recurrent state"
-            )
         if args.speculative_config.method == "draft_model":
             draft = self.parts.draft
             proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, draft.max_num_batched_tokens)
@@ -242,7 +235,9 @@ class LLMEngine:
         asks = []
         for request in self._running:
             request.draft_token_ids = ()
-            decodes = request.num_computed_tokens == request.num_tokens - 1 and not request.num_pending_tokens
+            # Its prompt computed and every sample read; after a rejection on a hybrid model
+            # the accepted tokens are computed again in the same chunk as the new drafts.
+            decodes = request.num_computed_tokens >= request.num_prompt_tokens and not request.num_pending_tokens
             constrained = request.params.structured_outputs is not None
             if not decodes or (constrained and not self.structured.constrained(request.request_id)):
                 continue
@@ -390,14 +385,16 @@ class LLMEngine:
         request = self._requests[chunk.request_id]
         start = request.num_computed_tokens
         end = start + chunk.num_new_tokens
+        # A verify chunk: its drafts follow the last token (a chunk cut short checks fewer).
+        drafts = request.draft_token_ids = request.draft_token_ids[: max(0, end - request.num_tokens)]
+        for group in self.parts.groups.values() if drafts else ():
+            group.provider.mark_rollback_point(request.request_id, start)
         state_ids = {
             name: tuple(group.provider.reserve(request.request_id, end)) for name, group in self.parts.groups.items()
         }
         self._prefix.after_chunk(request, start, end, state_ids)
         pages = state_ids.pop(KV_GROUP)
         params = request.params
-        # A verify chunk: its drafts follow the last token (a chunk cut short checks fewer).
-        drafts = request.draft_token_ids = request.draft_token_ids[: max(0, end - request.num_tokens)]
         follows = end > request.num_tokens and not drafts  # its last token is the pending one, on the device
         sample = end >= request.num_planned_tokens and request.max_tokens > 0
         work = SequenceWork(
@@ -459,10 +456,15 @@ class LLMEngine:
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += accepted
         # State stands for the last token and the accepted drafts; the kept sample after them
-        # is the next step's input.
-        request.num_computed_tokens = request.num_tokens + accepted
-        for group in self.parts.groups.values():
-            group.provider.rollback(request.request_id, request.num_computed_tokens)
+        # is the next step's input. A group that keeps less (recurrent state, which keeps the
+        # state before the chunk) takes the others back with it.
+        wanted = request.num_tokens + accepted
+        groups = self.parts.groups.values()
+        computed = min(group.provider.rollback(request.request_id, wanted) for group in groups)
+        if computed < wanted:
+            for group in groups:
+                group.provider.rollback(request.request_id, computed)
+        request.num_computed_tokens = computed
         return sampled[:kept]
 
     def _append_token(

@@ -87,6 +87,8 @@ class PrefixReuse:
             return
         read_from = self._starting.pop(request.request_id, None)
         save_to = self._keep_state(request.token_ids[:end]) if at_stop else None
+        if read_from is None and save_to is None:
+            return  # the provider's own ids stand (a verify chunk's spare slot among them)
         (slot,) = state_ids[RECURRENT_GROUP]
         state_ids[RECURRENT_GROUP] = chunk_ids(slot, read_from, save_to)
 

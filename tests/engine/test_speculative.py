@@ -159,9 +159,59 @@ def test_preemption_under_speculation_keeps_outputs(checkpoint_dir):
     assert_pool_balanced(tight)
 
 
-def test_hybrid_models_are_refused_with_a_clear_error(checkpoint_dir):
-    with pytest.raises(ValueError, match="does not support hybrid"):
-        LLM(str(checkpoint_dir("qwen3-next")), device="cpu", speculative_config=NGRAM)
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_hybrid_models_speculate_with_the_state_before_a_verify_kept(family, checkpoint_dir):
+    """A verify chunk writes its recurrent state to a spare slot: all drafts standing, the
+    spare becomes the request's; any rejected, the state before the chunk stands and the
+    accepted tokens are computed again with the next drafts. Greedy outputs identical, with
+    split chunks, a warm prefix cache (second round) and both outcomes seen."""
+    path = str(checkpoint_dir(family))
+    batch = looping_prompts(5)
+    common = dict(device="cpu", max_num_batched_tokens=40, page_size=8, state_snapshot_interval=16)
+    plain = LLM(path, **common)
+    llm = LLM(path, **common, speculative_config=NGRAM)
+    for _ in range(2):
+        assert_same_outputs(generate(llm, batch, PARAMS), generate(plain, batch, PARAMS))
+    assert llm.engine.stats().prefix_cache_hits > 0
+    # A random hybrid model rarely repeats itself: an oracle drafts its own greedy tokens,
+    # all right (every verify's state kept) or half right (rejections step back).
+    from kestrel.bench.speculative import simulated_acceptance_sweep
+
+    rows = simulated_acceptance_sweep(llm, looping_prompts(1)[0]["prompt_token_ids"], 24, [1.0, 0.5])
+    for row in rows[1:]:
+        assert row["same_tokens"], row
+    assert all(row["measured_acceptance"] == 1.0 for row in rows[1:5])
+    assert all(0 < row["measured_acceptance"] < 1 for row in rows[6:9])
+    recurrent = llm.engine.parts.recurrent
+    assert recurrent.num_used_slots == 0 and recurrent.free_capacity() == recurrent.total_capacity()
+    assert_pool_balanced(llm)
+
+
+def test_hybrid_speculation_under_preemption_keeps_outputs(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3-next"))
+    batch = looping_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
+    ample = LLM(path, device="cpu", page_size=8)
+    expected = generate(ample, batch, params)
+    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
+    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=16 * page_bytes / 2**30, speculative_config=NGRAM)
+    preemptions = []
+    original = tight.engine._apply
+    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    assert_same_outputs(generate(tight, batch, params), expected)
+    assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
+    assert_pool_balanced(tight)
+
+
+def test_a_hybrid_target_takes_an_attention_only_draft_model(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3-next"))
+    batch = looping_prompts(3)
+    expected = generate(LLM(path, device="cpu"), batch, PARAMS[:3])
+    llm = LLM(path, device="cpu", speculative_config=draft_config(checkpoint_dir("qwen3")))
+    assert_same_outputs(generate(llm, batch, PARAMS[:3]), expected)
+    assert llm.engine.stats().spec_decode_num_drafts > 0
+    assert_pool_balanced(llm)
+    assert_draft_pool_empty(llm)
 
 
 # ---- sampling: the target model's distribution, exactly ------------------------------------
@@ -347,7 +397,8 @@ def test_draft_model_under_preemption_keeps_outputs(checkpoint_dir):
     # holds 16 pages, far fewer than 6 requests need at once.
     page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
     config = draft_config(checkpoint_dir("qwen3"))
-    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=32.5 * page_bytes / 2**30, speculative_config=config)
+    budget = 32.5 * page_bytes / 2**30
+    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=budget, speculative_config=config)
     assert tight.engine.parts.kv.num_pages == 16 and tight.engine.parts.draft.kv.num_pages >= 16
     preemptions = []
     original = tight.engine._apply
