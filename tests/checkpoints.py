@@ -125,3 +125,32 @@ def write_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
+
+
+def add_mtp_head(source: Path, directory: Path, seed: int = 1) -> Path:
+    """A copy of a hybrid checkpoint with a multi-token-prediction head (`mtp.*`), as Qwen3-Next
+    releases carry one: transformers neither writes nor reads it. Its decoder layer starts as
+    a copy of the checkpoint's full-attention layer; the rest is random."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = load_file(directory / "model.safetensors")
+    attention_layer = config["layer_types"].index("full_attention")
+    prefix = f"model.layers.{attention_layer}."
+    generator = torch.Generator().manual_seed(seed)
+    hidden = config["hidden_size"]
+    for name, tensor in list(tensors.items()):
+        if name.startswith(prefix):
+            noise = 0.05 * torch.randn(tensor.shape, generator=generator)
+            tensors["mtp.layers.0." + name.removeprefix(prefix)] = tensor + noise
+    tensors["mtp.fc.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=generator)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        tensors[f"mtp.{norm}.weight"] = 0.1 * torch.randn(hidden, generator=generator)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory

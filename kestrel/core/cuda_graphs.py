@@ -60,12 +60,13 @@ class DecodeGraphs:
         for group in groups.values():
             group.binder.prepare_capture(workspace, group.provider.scratch_id, largest, max_pages_per_seq)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[GraphKey, torch.Tensor] = {}
+        self._outputs: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}  # hidden states, logits
+        self._last: tuple[torch.Tensor, int] | None = None  # the last replay's hidden states and rows
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         context = bind_groups(self.groups, lambda binder: binder.capture_metadata(size))
         hidden = self.model(self.input_ids[:size], self.positions[:size], context)
-        return self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -79,7 +80,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[key] = self._forward(size)
+                self._outputs[key] = self._forward(size)
             self._graphs[key] = graph
         torch.cuda.synchronize()
 
@@ -109,4 +110,12 @@ class DecodeGraphs:
             fill_input_ids(self.input_ids[:count])
         key = GraphKey(GraphPhase.DECODE, size)
         self._graphs[key].replay()
-        return self._logits[key][:count]
+        hidden, logits = self._outputs[key]
+        self._last = (hidden, count)
+        return logits[:count]
+
+    def last_hidden_states(self) -> torch.Tensor:
+        """The last replay's final hidden states [num_seqs, hidden]: graph memory, overwritten
+        by the next replay."""
+        hidden, count = self._last
+        return hidden[:count]

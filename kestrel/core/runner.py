@@ -69,6 +69,16 @@ class SequenceResult:
     request_id: str
     sampled: tuple[SampledToken, ...]  # `num_samples` of them, in row order
     prompt_logprobs: tuple[TokenLogprobs, ...]
+    hidden_states: HiddenStates | None = None  # with the runner's `keep_hidden_states`
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """The final hidden state of each of a chunk's positions, on the device (an MTP draft's
+    input)."""
+
+    first_position: int  # the chunk's first position (its `num_cached_tokens`)
+    states: torch.Tensor  # [positions, hidden]
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,10 @@ class LaunchedStep:
         samples: DeviceSamples | None,
         prompt: list[_PromptLogprobs],
         transfer: HostTransfer | None,
+        hidden: torch.Tensor | None = None,  # every row's final hidden state, kept for the results
     ) -> None:
         self._ordered, self._sampled_ids, self._samples = ordered, sampled_ids, samples
-        self._prompt, self._transfer = prompt, transfer
+        self._prompt, self._transfer, self._hidden = prompt, transfer, hidden
 
     def result(self) -> StepOutput:
         if self._transfer is None:  # a rank that leaves sampling to rank 0
@@ -118,14 +129,24 @@ class LaunchedStep:
             count = len(entry.details.tensors())
             parts, host = host[:count], host[count:]
             prompt[entry.request_id] = tuple(LogprobTensors.package(parts, [entry.count] * len(parts[0])))
+        rows = self._hidden_rows()
         return StepOutput(
             tuple(
                 SequenceResult(
-                    item.request_id, tuple(sampled.get(item.request_id, ())), prompt.get(item.request_id, ())
+                    item.request_id, tuple(sampled.get(item.request_id, ())), prompt.get(item.request_id, ()), hidden
                 )
-                for item in self._ordered
+                for item, hidden in zip(self._ordered, rows)
             )
         )
+
+    def _hidden_rows(self) -> list[HiddenStates | None]:
+        if self._hidden is None:
+            return [None] * len(self._ordered)
+        rows, start = [], 0
+        for item in self._ordered:
+            rows.append(HiddenStates(item.num_cached_tokens, self._hidden[start : start + len(item.token_ids)]))
+            start += len(item.token_ids)
+        return rows
 
 
 @dataclass(frozen=True)
@@ -152,6 +173,8 @@ class ModelRunner:
         samples: bool = True,  # tensor-parallel workers compute logits but leave sampling to rank 0
         parallel: TensorParallel = SINGLE,
     ) -> None:
+        # Whether results carry every position's final hidden state (an MTP draft's input).
+        self.keep_hidden_states = False
         if KV_GROUP not in groups:
             raise ValueError(f"a runner needs the {KV_GROUP!r} state group; got {sorted(groups)}")
         self.samples = samples
@@ -187,8 +210,11 @@ class ModelRunner:
             self.sampler.share_last(self.parallel, self.runtime.device)
         if self._fits_graph(ordered):
             logits = self.graphs.run(layout, token_ids, lambda ids: self._take_last_samples(ids, follows))
+            hidden = self.graphs.last_hidden_states() if self.keep_hidden_states else None
         else:
-            logits = self._run_eager(layout, token_ids, logits_indices, follows)
+            hidden, logits = self._run_eager(layout, token_ids, logits_indices, follows)
+        # A copy: graph memory is overwritten by the next replay.
+        hidden = hidden[: len(token_ids)].clone() if self.keep_hidden_states else None
         if not self.samples:
             self.sampler.remember([item.request_id for item, r in zip(ordered, rows) for _ in r.sample_rows], None)
             return LaunchedStep(ordered, [], None, [], None)
@@ -198,7 +224,7 @@ class ModelRunner:
         tensors = (samples.tensors() if samples is not None else []) + [
             t for entry in prompt for t in entry.details.tensors()
         ]
-        return LaunchedStep(ordered, sampled_ids, samples, prompt, self.runtime.to_host_async(tensors))
+        return LaunchedStep(ordered, sampled_ids, samples, prompt, self.runtime.to_host_async(tensors), hidden)
 
     def _follow_rows(self, ordered: list[SequenceWork]) -> list[tuple[int, int]]:
         """(input position, row of the last samples) for each chunk whose last token is still
@@ -235,7 +261,8 @@ class ModelRunner:
 
     def _run_eager(
         self, layout: BatchLayout, token_ids: list[int], logits_indices: list[int], follows: list[tuple[int, int]]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states of every row, and the logits of the rows asked for."""
         inputs = BatchInputs(
             input_ids=self._stage("input_ids", token_ids),
             positions=self._stage("positions", layout.positions.tolist()),
@@ -244,7 +271,7 @@ class ModelRunner:
         self._take_last_samples(inputs.input_ids, follows)
         context = bind_groups(self.groups, lambda binder: binder.bind(layout))
         hidden = self.model(inputs.input_ids, inputs.positions, context)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
 
     def _host_inputs(self, ordered: list[SequenceWork]) -> tuple[list[int], list[int], list[_LogitRows]]:
         """Token ids, the rows whose logits are needed, and which of those rows are whose."""

@@ -76,6 +76,12 @@ class WeightBindings:
         self._loaded: dict[str, set[str | None]] = {name: set() for name in self._params}
         self._unexpected: list[str] = []
 
+    def skip_instead(self, bound_prefix: str, skipped: Iterable[SkippedPrefix]) -> None:
+        """Bind the tensors under `bound_prefix` after all, and skip `skipped` instead (an MTP
+        draft binds the `mtp.` tensors its target skips, and skips the target's layers)."""
+        self._skipped = tuple(s for s in self._skipped if s.prefix != bound_prefix) + tuple(skipped)
+        self._skipped_counts = dict.fromkeys(self._skipped, 0)
+
     def _resolve(self, name: str) -> tuple[str, str | None]:
         for mapping in self._packed:
             piece = f".{mapping.source}."

@@ -33,7 +33,7 @@ from kestrel.distributed.group import GroupAddress, join_group, rank_args
 from kestrel.layers.quantized import quantize_linears
 from kestrel.logs import log_duration
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
-from kestrel.models.registry import recipe_for
+from kestrel.models.registry import mtp_recipe_for, recipe_for
 from kestrel.weights.checkpoint import Checkpoint, CheckpointNotFoundError, load_tokenizer_from, open_checkpoint
 from kestrel.weights.loader import load_model
 
@@ -299,12 +299,14 @@ class LoadedModel:
         return self.kv_spec.bytes_per_page() / self.kv_spec.page_size
 
 
-def load_rank_model(args: EngineArgs, parallel: TensorParallel) -> LoadedModel:
+def load_rank_model(args: EngineArgs, parallel: TensorParallel, mtp_head: bool = False) -> LoadedModel:
+    """`mtp_head`: load the checkpoint's multi-token-prediction head instead of the model."""
     runtime = create_runtime(args.device)
     runtime.configure_process()
     configure_dependent_launch(args.dependent_launch)
     hf_config, checkpoint = open_model(args)
-    recipe = recipe_for(getattr(hf_config, "architectures", None))
+    architectures = getattr(hf_config, "architectures", None)
+    recipe = mtp_recipe_for(architectures) if mtp_head else recipe_for(architectures)
     spec = recipe.spec(hf_config)
     dtype = resolve_dtype(args.dtype, hf_config, runtime)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
@@ -466,6 +468,11 @@ def snapshot_stops(args: EngineArgs, rank: RankParts) -> dict[str, int]:
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
+    if uses_mtp_head(args) and args.enable_prefix_caching:
+        # A cached prefix gives the target no hidden states for its positions, and the head
+        # cannot draft without its rows for them: its KV does not join the prefix cache yet.
+        logger.warning("prefix caching is turned off: speculative decoding's 'mtp' method does not support it yet")
+        args = dataclasses.replace(args, enable_prefix_caching=False)
     draft = None
     if args.tensor_parallel_size > 1:
         if wants_draft_model(args):
@@ -504,17 +511,24 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
 
 
 def wants_draft_model(args: EngineArgs) -> bool:
-    return args.speculative_config is not None and args.speculative_config.method == "draft_model"
+    """Whether speculation drafts with a second rank: a draft model, or the MTP head."""
+    return args.speculative_config is not None and args.speculative_config.method in ("draft_model", "mtp")
+
+
+def uses_mtp_head(args: EngineArgs) -> bool:
+    return args.speculative_config is not None and args.speculative_config.method == "mtp"
 
 
 def draft_model_args(args: EngineArgs) -> EngineArgs:
-    """The draft model's engine args: the target's, but its own checkpoint, no prefix cache
-    (it catches up on a prompt by computing it) and a KV budget set once the target's is known."""
+    """The draft's engine args: the target's, but its own checkpoint (the MTP head comes from
+    the target's), no prefix cache (it catches up on a prompt by computing it) and a KV budget
+    set once the target's is known."""
+    own_checkpoint = not uses_mtp_head(args)
     return dataclasses.replace(
         args,
-        model=args.speculative_config.model,
+        model=args.speculative_config.model if own_checkpoint else args.model,
         tokenizer=None,
-        revision=None,
+        revision=None if own_checkpoint else args.revision,
         load_format="dummy" if args.load_format == "dummy" else "auto",
         max_model_len=None,
         kv_cache_memory_gb=None,
@@ -530,7 +544,9 @@ def build_with_draft(args: EngineArgs) -> tuple[RankParts, RankParts]:
     the same number of tokens."""
     target = load_rank_model(args, SINGLE)
     draft_args = draft_model_args(args)
-    draft = load_rank_model(draft_args, SINGLE)
+    draft = load_rank_model(draft_args, SINGLE, mtp_head=uses_mtp_head(args))
+    if uses_mtp_head(args):
+        draft.model.allocate_hidden_buffers(draft.max_num_batched_tokens)
     if draft.fixed_specs:
         raise ValueError(
             f"the draft model {draft_args.model} ({draft.spec.architecture}) keeps recurrent state; "
@@ -547,4 +563,5 @@ def build_with_draft(args: EngineArgs) -> tuple[RankParts, RankParts]:
     # One page past the target's capacity: the budget's rounding down then never costs a page.
     tokens = target_rank.kv.capacity_tokens + args.page_size
     draft_args = dataclasses.replace(draft_args, kv_cache_memory_gb=tokens * draft_per_token / GIB)
+    target_rank.runner.keep_hidden_states = uses_mtp_head(args)
     return target_rank, build_rank(draft_args, SINGLE, draft)

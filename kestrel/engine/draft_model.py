@@ -92,6 +92,9 @@ class DraftModelProposer:
         self.kv.release(request_id)
         self.runner.release(request_id)
 
+    def observe(self, request_id: str, first_position: int, hidden_states: object) -> None:
+        pass  # a draft model reads tokens only
+
     def _plan_catchups(self, asks: Sequence[DraftAsk]) -> list[_Catchup]:
         """What each request feeds first, within the step's token budget (a prompt that does
         not fit is fed in parts over several steps, drafting nothing until it is all in)."""

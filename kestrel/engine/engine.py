@@ -34,6 +34,7 @@ from kestrel.engine.admission import check_prompt_tokens, resolve_max_tokens
 from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from kestrel.engine.draft_model import DraftModelProposer
+from kestrel.engine.mtp_proposer import MtpProposer
 from kestrel.engine.output_shaping import OutputShaper
 from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.prefix_reuse import NO_HIT, PrefixHit, PrefixReuse
@@ -131,9 +132,13 @@ class LLMEngine:
     def _speculation(self, args: EngineArgs) -> Speculation | None:
         if args.speculative_config is None:
             return None
+        draft = self.parts.draft
         if args.speculative_config.method == "draft_model":
-            draft = self.parts.draft
             proposer = DraftModelProposer(draft.runner, draft.kv, draft.max_model_len, draft.max_num_batched_tokens)
+            return Speculation(args.speculative_config, proposer)
+        if args.speculative_config.method == "mtp":
+            head = draft.runner.model
+            proposer = MtpProposer(draft.runner, draft.kv, draft.max_model_len, draft.max_num_batched_tokens, head)
             return Speculation(args.speculative_config, proposer)
         return Speculation(args.speculative_config)
 
@@ -431,8 +436,13 @@ class LLMEngine:
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(self.outputs.position_logprobs(lp) for lp in result.prompt_logprobs)
             sampled_tokens = result.sampled
+            num_standing = request.num_tokens  # positions whose hidden states stand
             if request.draft_token_ids:
                 sampled_tokens = self._verified(request, sampled_tokens)
+                num_standing += len(sampled_tokens) - 1  # the accepted drafts
+            if result.hidden_states is not None:
+                first, states = result.hidden_states.first_position, result.hidden_states.states
+                self.speculation.observe(request.request_id, first, states[: max(0, num_standing - first)])
             grammar_open = self._grammar_open.pop(request.request_id, ())
             for index, sampled in enumerate(sampled_tokens):
                 open_after = grammar_open[index] if index < len(grammar_open) else True

@@ -27,9 +27,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's other method names: refused by name rather than run as something else.
-NOT_YET_SUPPORTED = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+NOT_YET_SUPPORTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 DEFAULT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 
@@ -60,7 +60,7 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method 'draft_model' needs 'model': the draft checkpoint")
-        if self.method == "ngram" and self.model is not None:
+        if self.method in ("ngram", "mtp") and self.model is not None:
             raise ValueError(f"speculative_config method {self.method!r} takes no 'model'")
 
     @classmethod
@@ -105,6 +105,10 @@ class Proposer(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def observe(self, request_id: str, first_position: int, hidden_states: Any) -> None:
+        """The target's final hidden states of a request's positions from `first_position`
+        on, all of them standing (an MTP draft's input; others need not keep them)."""
+
 
 class SequenceProposer:
     """A proposer that drafts for each request from its tokens alone and keeps nothing."""
@@ -116,6 +120,9 @@ class SequenceProposer:
         raise NotImplementedError
 
     def release(self, request_id: str) -> None:
+        pass
+
+    def observe(self, request_id: str, first_position: int, hidden_states: Any) -> None:
         pass
 
 
@@ -195,3 +202,6 @@ class Speculation:
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
+
+    def observe(self, request_id: str, first_position: int, hidden_states: Any) -> None:
+        self.proposer.observe(request_id, first_position, hidden_states)

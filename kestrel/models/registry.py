@@ -22,6 +22,16 @@ _RECIPES: dict[str, str] = {
 }
 
 
+# Architectures whose checkpoints carry `mtp.*` heads Kestrel runs (models/mtp.py).
+MTP_ARCHITECTURES = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+
+
 class UnsupportedArchitectureError(ValueError):
     pass
 
@@ -39,3 +49,16 @@ def recipe_for(architectures: list[str] | None) -> ModelRecipe:
         f"model architecture {architectures} is not supported; "
         f"supported architectures: {', '.join(supported_architectures())}"
     )
+
+
+def mtp_recipe_for(architectures: list[str] | None) -> ModelRecipe:
+    """The recipe of a checkpoint's multi-token-prediction head (speculative decoding's `mtp`)."""
+    from kestrel.models.mtp import MtpRecipe
+
+    target = recipe_for(architectures)
+    if not any(name in MTP_ARCHITECTURES for name in target.architectures):
+        raise UnsupportedArchitectureError(
+            f"speculative decoding's 'mtp' method runs the MTP layers of {', '.join(MTP_ARCHITECTURES)} "
+            f"checkpoints; {architectures} has none Kestrel can run"
+        )
+    return MtpRecipe(target)

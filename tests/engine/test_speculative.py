@@ -426,3 +426,110 @@ def test_draft_model_config_errors(config, message, checkpoint_dir):
 def test_a_hybrid_draft_model_is_refused(checkpoint_dir):
     with pytest.raises(ValueError, match="must be attention-only"):
         LLM(str(checkpoint_dir("qwen3")), device="cpu", speculative_config=draft_config(checkpoint_dir("qwen3-next")))
+
+
+# ---- the MTP head ----------------------------------------------------------------------------
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(checkpoint_dir, tmp_path_factory):
+    from tests.checkpoints import add_mtp_head
+
+    return add_mtp_head(checkpoint_dir("qwen3-next"), tmp_path_factory.mktemp("qwen3-next-mtp"))
+
+
+def hf_layer_state(tensors: dict) -> dict:
+    """A checkpoint layer's tensors as transformers' module holds them: experts stacked."""
+    state = {k: v for k, v in tensors.items() if not k.startswith(("mlp.experts.", "mtp.", "model.", "lm_head"))}
+    count = len({k.split(".")[2] for k in tensors if k.startswith("mlp.experts.")})
+    expert = [{p: tensors[f"mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")} for e in range(count)]
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in expert])
+    state["mlp.experts.down_proj"] = torch.stack([e["down"] for e in expert])
+    return state
+
+
+def reference_mtp_drafts(path, token_ids: list[int], num_drafts: int) -> list[int]:
+    """The head's greedy drafts after `token_ids`, computed in one pass with transformers'
+    own modules: the target's final hidden states, then rows (h[i], token[i + 1]) through
+    the head's layer, then the chain, each row taking the head's output for the row before."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    config = AutoConfig.from_pretrained(path)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tensors = load_file(f"{path}/model.safetensors")
+    layer = hf.Qwen3NextDecoderLayer(config, config.layer_types.index("full_attention")).eval()
+    layer.load_state_dict(hf_layer_state({k.removeprefix("mtp.layers.0."): v for k, v in tensors.items()}))
+    norms = {}
+    for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        norms[name] = hf.Qwen3NextRMSNorm(config.hidden_size, config.rms_norm_eps)
+        norms[name].load_state_dict({"weight": tensors[f"mtp.{name}.weight"]})
+    rotary = hf.Qwen3NextRotaryEmbedding(config)
+    embed, lm_head = target.model.embed_tokens, target.lm_head
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([token_ids])).last_hidden_state[0, :-1]  # rows 0 .. L-2
+        tokens = list(token_ids[1:])
+        drafts = []
+        for _ in range(num_drafts):
+            ids = torch.tensor([tokens])
+            mixed = torch.cat([norms["pre_fc_norm_embedding"](embed(ids)[0]), norms["pre_fc_norm_hidden"](hidden)], -1)
+            rows = (mixed @ tensors["mtp.fc.weight"].T)[None]
+            positions = torch.arange(rows.shape[1])[None]
+            out = norms["norm"](layer(rows, rotary(rows, positions), position_ids=positions))[0]
+            drafts.append(int(lm_head(out[-1]).argmax()))
+            hidden, tokens = torch.cat([hidden, out[-1:]]), tokens + [drafts[-1]]
+    return drafts
+
+
+def test_mtp_head_drafts_what_transformers_modules_compute(mtp_checkpoint):
+    """Every draft the head proposes, over prompts fed in parts, verify outcomes and chains,
+    equals a one-pass reference built from transformers' Qwen3-Next modules."""
+    llm = LLM(str(mtp_checkpoint), device="cpu", max_num_batched_tokens=24, page_size=8, speculative_config=MTP)
+    proposals = []
+    proposer = llm.engine.speculation.proposer
+    original = proposer.propose
+
+    def recording(asks):
+        drafts = original(asks)
+        proposals.extend((list(a.token_ids), d) for a, d in zip(asks, drafts) if d)
+        return drafts
+
+    proposer.propose = recording
+    batch = looping_prompts(3)
+    expected = generate(LLM(str(mtp_checkpoint), device="cpu"), batch, PARAMS[:3])
+    assert_same_outputs(generate(llm, batch, PARAMS[:3]), expected)
+    assert len(proposals) > 10
+    for token_ids, drafts in proposals[::3]:
+        assert list(drafts) == reference_mtp_drafts(mtp_checkpoint, token_ids, len(drafts)), token_ids
+    assert_pool_balanced(llm)
+    assert_draft_pool_empty(llm)
+
+
+def test_mtp_is_refused_for_a_model_without_a_head(checkpoint_dir):
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
+        LLM(str(checkpoint_dir("qwen3-next")), device="cpu", speculative_config=MTP)
+    with pytest.raises(ValueError, match="'mtp' method runs the MTP layers"):
+        LLM(str(checkpoint_dir("qwen3")), device="cpu", speculative_config=MTP)
+
+
+def test_mtp_under_preemption_keeps_outputs_and_frees_everything(mtp_checkpoint):
+    path = str(mtp_checkpoint)
+    batch = looping_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
+    ample = LLM(path, device="cpu", page_size=8)
+    expected = generate(ample, batch, params)
+    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
+    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=18 * page_bytes / 2**30, speculative_config=MTP)
+    preemptions = []
+    original = tight.engine._apply
+    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    assert_same_outputs(generate(tight, batch, params), expected)
+    assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
+    assert tight.engine.parts.kv.prefix_cache is None  # turned off for the head, with a warning
+    assert_pool_balanced(tight)
+    assert_draft_pool_empty(tight)
+    assert not tight.engine.speculation.proposer._pending
