@@ -116,6 +116,7 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
+        mtp_num_hidden_layers=1,
     ),
     # Qwen3-Next-80B-A3B cut to 24 of its 48 layers (the same 3 linear : 1 full pattern), so
     # that bf16 weights fit one 141 GB GPU with room for the KV pool.
@@ -145,6 +146,7 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
         rope_theta=10000000.0,
+        mtp_num_hidden_layers=1,  # the release's multi-token-prediction head
     ),
 }
 
