@@ -37,10 +37,12 @@ def speculative_runs(args, kwargs: dict, config, prompt: list[int]) -> dict:
     speculative = LLM(args.dummy_config or args.model, **kwargs, speculative_config=config)
     report = {"config": str(config), "as_is": time_kestrel(speculative, prompt, args.output_len)}
     if args.simulate_acceptance:
-        report["simulated"] = simulated_acceptance_sweep(speculative, prompt, args.output_len, args.simulate_acceptance)
+        report["simulated"] = simulated_acceptance_sweep(
+            speculative, prompt, args.output_len, args.simulate_acceptance, forced=True
+        )
         for row in report["simulated"][1:]:
             print(
-                f"simulated acceptance {row['simulated_acceptance']:.0%} k={row['k']}: "
+                f"simulated (forced) acceptance {row['simulated_acceptance']:.0%} k={row['k']}: "
                 f"{row['ms_per_output_token']:.2f} ms per token (prefill included), {row['speedup']:.2f}x "
                 f"drafting nothing ({report['simulated'][0]['ms_per_output_token']:.2f} ms); "
                 f"measured acceptance {row['measured_acceptance']:.0%}, same tokens {row['same_tokens']}"

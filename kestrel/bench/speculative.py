@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from kestrel.engine.options import add_engine_options
-from kestrel.engine.speculative import SequenceProposer
+from kestrel.engine.speculative import ForcedAcceptance, SequenceProposer
 from kestrel.sampling_params import SamplingParams
 
 PARAGRAPH = (
@@ -134,24 +134,31 @@ class OracleProposer(SequenceProposer):
     costs and gains at a chosen acceptance rate, through the engine's real path. Labelled
     as simulated wherever it is reported."""
 
-    def __init__(self, expected: list[int], rate: float, seed: int = 0) -> None:
+    def __init__(self, expected: list[int], rate: float, seed: int = 0, follow_anywhere: bool = False) -> None:
         import random
 
-        self.expected, self.rate = expected, rate
+        self.expected, self.rate, self.follow_anywhere = expected, rate, follow_anywhere
         self._random = random.Random(seed)
 
     def propose_one(self, token_ids: list[int], num_tokens: int) -> tuple[int, ...]:
         start = len(token_ids)
-        if start > len(self.expected) or token_ids[-1] != self.expected[start - 1]:
+        if start >= len(self.expected):
+            return ()
+        if token_ids[-1] != self.expected[start - 1] and not self.follow_anywhere:
             return ()  # off the recorded path (the verify rows' rounding chose otherwise)
         truth = self.expected[start : start + num_tokens]
         return tuple(t if self._random.random() < self.rate else t + 1 for t in truth)
 
 
-def simulated_acceptance_sweep(llm, prompt: list[int], output_len: int, rates: list[float]) -> list[dict]:
+def simulated_acceptance_sweep(
+    llm, prompt: list[int], output_len: int, rates: list[float], forced: bool = False
+) -> list[dict]:
     """Per acceptance rate and draft length k = 1..num_speculative_tokens: ms per output token
     at batch 1 with the oracle's drafts (prefill included), beside k = 0: the same engine
-    drafting nothing, timed the same way."""
+    drafting nothing, timed the same way. `forced`: the oracle drafts the recorded path and
+    acceptance is drawn at the rate (`ForcedAcceptance`), for bf16 on a GPU, where verify
+    rows round differently from decode rows and a random model's near ties then leave the
+    recorded path; otherwise the model's own verification accepts or rejects."""
     import dataclasses
 
     from kestrel import SamplingParams
@@ -173,8 +180,9 @@ def simulated_acceptance_sweep(llm, prompt: list[int], output_len: int, rates: l
     for rate in rates:
         for k in range(1, config.num_speculative_tokens + 1):
             speculation.config = dataclasses.replace(config, num_speculative_tokens=k)
+            speculation.forced = ForcedAcceptance(rate) if forced else None
             before = dataclasses.replace(speculation.stats)
-            ms, tokens = timed(OracleProposer(expected, rate))
+            ms, tokens = timed(OracleProposer(expected, 1.0 if forced else rate, follow_anywhere=forced))
             drafted = speculation.stats.num_draft_tokens - before.num_draft_tokens
             accepted = speculation.stats.num_accepted_tokens - before.num_accepted_tokens
             rows.append(
@@ -188,5 +196,5 @@ def simulated_acceptance_sweep(llm, prompt: list[int], output_len: int, rates: l
                     same_tokens=tokens == expected,
                 )
             )
-    speculation.config, speculation.proposer = config, proposer
+    speculation.config, speculation.proposer, speculation.forced = config, proposer, None
     return rows

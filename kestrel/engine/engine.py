@@ -14,6 +14,7 @@ reader can see those writes before it overwrites them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -460,7 +461,7 @@ class LLMEngine:
     def _verified(self, request: Request, sampled: tuple[SampledToken, ...]) -> tuple[SampledToken, ...]:
         """A verify chunk's samples that stand; the rejected drafts' state is rolled back."""
         drafts, request.draft_token_ids = request.draft_token_ids, ()
-        kept = kept_samples([s.token_id for s in sampled], drafts)
+        kept, standing = self.speculation.verify([s.token_id for s in sampled], drafts)
         accepted = kept - 1
         self.speculation.stats.record(len(drafts), accepted)
         request.num_draft_tokens += len(drafts)
@@ -475,7 +476,7 @@ class LLMEngine:
             for group in groups:
                 group.provider.rollback(request.request_id, computed)
         request.num_computed_tokens = computed
-        return sampled[:kept]
+        return tuple(s if s.token_id == t else dataclasses.replace(s, token_id=t) for s, t in zip(sampled, standing))
 
     def _append_token(
         self, request: Request, token_id: int, logprobs: TokenLogprobs | None, grammar_open: bool = True

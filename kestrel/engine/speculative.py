@@ -156,6 +156,25 @@ def kept_samples(samples: Sequence[int], drafts: Sequence[int]) -> int:
     return len(samples)
 
 
+class ForcedAcceptance:
+    """A benchmark mode, labelled simulated wherever it is reported: each draft is accepted
+    with a fixed probability whatever the model says, and an accepted draft stands as the
+    token (the state holds it). It measures what verify steps cost and yield at a chosen
+    acceptance rate, on random weights, where bf16 rounding makes a recorded greedy path
+    unreliable; outputs are not the model's. Never set by a user-facing option."""
+
+    def __init__(self, rate: float, seed: int = 0) -> None:
+        import random
+
+        self.rate, self._random = rate, random.Random(seed)
+
+    def verify(self, samples: Sequence[int], drafts: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+        accepted = 0
+        while accepted < len(drafts) and self._random.random() < self.rate:
+            accepted += 1
+        return accepted + 1, tuple(drafts[:accepted]) + (samples[accepted],)
+
+
 @dataclass
 class SpeculationStats:
     """Counts since start, named as vLLM's spec-decode metrics."""
@@ -191,6 +210,15 @@ class Speculation:
         self.config = config
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculationStats()
+        self.forced: ForcedAcceptance | None = None  # benchmarks only: see ForcedAcceptance
+
+    def verify(self, samples: Sequence[int], drafts: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+        """How many samples stand, and the tokens that stand in their place (the samples
+        themselves, except under forced acceptance, where accepted drafts stand)."""
+        if self.forced is not None:
+            return self.forced.verify(samples, drafts)
+        kept = kept_samples(samples, drafts)
+        return kept, tuple(samples[:kept])
 
     def drafts_for(self, asks: Sequence[DraftAsk]) -> dict[str, tuple[int, ...]]:
         """Drafts by request; each ask's `num_tokens` is its room, cut to the configured

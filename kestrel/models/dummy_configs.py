@@ -150,6 +150,9 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# A quarter of its layers: fits an 80 GB GPU (H100) with a KV pool.
+DUMMY_CONFIGS["qwen3-next-80b-a3b-12l"] = dict(DUMMY_CONFIGS["qwen3-next-80b-a3b-24l"], num_hidden_layers=12)
+
 
 def dummy_hf_config(name: str) -> Any:
     from transformers import AutoConfig

@@ -289,6 +289,11 @@ def test_simulated_acceptance_drafts_at_the_chosen_rate(engines):
     # All right: each verify step yields k + 1 tokens (the first token comes from the prompt).
     assert rows[4]["verify_steps"] == -(-15 // 5)
     assert speculative.engine.speculation.config.num_speculative_tokens == 4  # the engine's own again
+    # Forced acceptance (for bf16 GPUs): drafts stand at the drawn rate, whatever the model says.
+    forced = simulated_acceptance_sweep(speculative, prompt, 16, [0.5], forced=True)
+    assert all(row["same_tokens"] for row in forced[1:])  # the oracle's drafts are the model's own
+    assert all(0 < row["measured_acceptance"] < 1 for row in forced[2:])
+    assert speculative.engine.speculation.forced is None
     assert isinstance(speculative.engine.speculation.proposer, NgramProposer)
 
 

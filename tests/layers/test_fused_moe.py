@@ -90,7 +90,8 @@ def test_the_routing_kernel_picks_and_weighs_as_the_torch_path(num_experts, top_
     logits = torch.randn(37, num_experts).to(dtype)
     shared_logits = torch.randn(37, 1).to(dtype) if shared else None
     expected_weights, expected_experts = moe.route_reference(logits, dtype, shared_logits)
-    weights, experts = route(logits.to(DEVICE), top_k, renormalize, dtype, shared_logits)
+    on_device = shared_logits.to(DEVICE) if shared else None
+    weights, experts = route(logits.to(DEVICE), top_k, renormalize, dtype, on_device)
     assert experts.shape == weights.shape == (37, top_k + shared)
     # bf16 logits tie often; either of two tied experts is right, so compare what each chose.
     chosen = logits.gather(1, experts.cpu()[:, :top_k].long())
