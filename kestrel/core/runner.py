@@ -203,12 +203,13 @@ class ModelRunner:
         host) and return without waiting for it. `masks` restrict constrained requests'
         samples; they are filled after the forward pass is queued, while the device runs it."""
         ordered = sorted(work, key=lambda item: not item.is_decode)  # stable: decodes first
-        layout = self._layout(ordered)
+        in_graph = self._fits_graph(ordered)
+        layout = self._layout(ordered, verify_as_decode_rows=in_graph)
         token_ids, logits_indices, rows = self._host_inputs(ordered)
         follows = self._follow_rows(ordered)
         if follows:
             self.sampler.share_last(self.parallel, self.runtime.device)
-        if self._fits_graph(ordered):
+        if in_graph:
             logits = self.graphs.run(layout, token_ids, lambda ids: self._take_last_samples(ids, follows))
             hidden = self.graphs.last_hidden_states() if self.keep_hidden_states else None
         else:
@@ -249,15 +250,39 @@ class ModelRunner:
             values_to_device(rows, torch.long, device)
         ]
 
-    def _layout(self, ordered: list[SequenceWork]) -> BatchLayout:
-        num_decodes = sum(1 for item in ordered if item.is_decode)
-        return BatchLayout(tuple(item.chunk() for item in ordered), num_decodes, self.page_size)
+    def _layout(self, ordered: list[SequenceWork], verify_as_decode_rows: bool = False) -> BatchLayout:
+        """The step's sequences; with `verify_as_decode_rows`, a verify chunk of q tokens is
+        laid out as q one-token rows of the same sequence, row j seeing j more tokens: each
+        row writes its token's keys and values before any row attends, so the rows compute
+        what the chunk would, through the decode path (and its captured graphs)."""
+        chunks = []
+        for item in ordered:
+            chunk = item.chunk()
+            if verify_as_decode_rows and item.num_samples > 1:
+                first = chunk.num_cached_tokens
+                chunks.extend(
+                    SequenceChunk(1, first + row, chunk.page_ids, chunk.state_ids) for row in range(chunk.query_len)
+                )
+            else:
+                chunks.append(chunk)
+        num_decodes = sum(1 for chunk in chunks if chunk.query_len == 1)
+        return BatchLayout(tuple(chunks), num_decodes, self.page_size)
 
     def _fits_graph(self, ordered: list[SequenceWork]) -> bool:
-        """Captured graphs cover decode-only steps that sample every row once and nothing else."""
-        if self.graphs is None or self.graphs.bucket_for(len(ordered)) is None:
+        """Captured graphs cover steps of one-token rows that each sample once: decodes, and
+        verify chunks (every token sampled) laid out as rows of their own, where the paged KV
+        is the only state (a recurrent state folds a sequence's tokens in one after another)."""
+        if self.graphs is None:
             return False
-        return all(item.is_decode and item.num_samples == 1 and not item.prompt_logprob_targets for item in ordered)
+        rows = sum(len(item.token_ids) for item in ordered)
+        if self.graphs.bucket_for(rows) is None or any(item.prompt_logprob_targets for item in ordered):
+            return False
+        return all(self._is_graph_row(item) for item in ordered)
+
+    def _is_graph_row(self, item: SequenceWork) -> bool:
+        if item.is_decode:
+            return item.num_samples == 1
+        return item.num_samples == len(item.token_ids) and set(self.groups) == {KV_GROUP}
 
     def _run_eager(
         self, layout: BatchLayout, token_ids: list[int], logits_indices: list[int], follows: list[tuple[int, int]]
