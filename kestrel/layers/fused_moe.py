@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers import ops
-
 
 @dataclass(frozen=True)
 class MoeLaunch:
@@ -148,6 +146,7 @@ def grouped_matmul_kernel(
     A_ROW_DIVISOR: tl.constexpr,
     SCALE_BY_WEIGHT: tl.constexpr,
     ONE_ROW_BLOCKS: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -155,7 +154,9 @@ def grouped_matmul_kernel(
 ):
     """C[row] = A[row // A_ROW_DIVISOR] @ B[expert]^T for the block's rows (B is [n, k] per
     expert, as a linear layer's weight), optionally times weights[row]. With ONE_ROW_BLOCKS,
-    block i is row i alone and block_experts its routed experts, flat; no row ids."""
+    block i is row i alone and block_experts its routed experts, flat; no row ids. With
+    SILU_AND_MUL, B holds 2n rows (gate, then up) and C[row] = silu(gate) * up, from float32
+    accumulators, so the gate and up products never go to memory."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:  # past the last expert's run: the grid covers the most blocks routing can need
@@ -170,11 +171,18 @@ def grouped_matmul_kernel(
     a_rows = a_ptr + (rows // A_ROW_DIVISOR)[:, None] * stride_a
     b_cols = b_ptr + expert.to(tl.int64) * stride_b_expert + offs_n[None, :] * stride_b_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         in_k = start + offs_k < k
         a = tl.load(a_rows + (start + offs_k)[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
-        b = tl.load(b_cols + (start + offs_k)[:, None], mask=in_k[:, None] & (offs_n < n)[None, :], other=0.0)
+        b_mask = in_k[:, None] & (offs_n < n)[None, :]
+        b = tl.load(b_cols + (start + offs_k)[:, None], mask=b_mask, other=0.0)
         acc += tl.dot(a, b, input_precision=PRECISION)
+        if SILU_AND_MUL:
+            b_up = tl.load(b_cols + n * stride_b_n + (start + offs_k)[:, None], mask=b_mask, other=0.0)
+            up += tl.dot(a, b_up, input_precision=PRECISION)
+    if SILU_AND_MUL:
+        acc = acc * tl.sigmoid(acc) * up
     if SCALE_BY_WEIGHT:
         acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(
@@ -308,9 +316,11 @@ def _grouped_matmul(
     a_row_divisor: int,
     launch: MoeLaunch,
     routing_weights: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """One launch over every block; `row_ids` None: each row is a block of its own."""
-    n, k = weight.shape[1], weight.shape[2]
+    """One launch over every block; `row_ids` None: each row is a block of its own.
+    `silu_and_mul`: the weight's rows are gate then up, and the output is silu(gate) * up."""
+    n, k = weight.shape[1] // (2 if silu_and_mul else 1), weight.shape[2]
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
     grid = (block_experts.numel(), triton.cdiv(n, launch.block_n))
     grouped_matmul_kernel[grid](
@@ -330,6 +340,7 @@ def _grouped_matmul(
         A_ROW_DIVISOR=a_row_divisor,
         SCALE_BY_WEIGHT=routing_weights is not None,
         ONE_ROW_BLOCKS=row_ids is None,
+        SILU_AND_MUL=silu_and_mul,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
@@ -365,8 +376,7 @@ def fused_moe(
         row_ids, block_experts = None, experts.flatten()
     else:
         row_ids, block_experts = group_by_expert(experts, num_experts, launch.block_m)
-    gate_up = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k, launch)
-    activated = ops.silu_and_mul(gate_up)
+    activated = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k, launch, silu_and_mul=True)
     flat_weights = weights.flatten().contiguous()
     down = _grouped_matmul(activated, w2, row_ids, block_experts, num_rows, 1, launch, flat_weights)
     return down.view(tokens, top_k, -1).sum(dim=1)
