@@ -17,6 +17,7 @@ come from a table per run length (`moe_launch`), which scripts/moe_sweep.py meas
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -307,6 +308,25 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tup
     return row_ids, block_experts
 
 
+@functools.cache
+def _shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory one block may use (227 KB on Hopper); unbounded off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 1 << 40
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
+
+
+def stages_that_fit(launch: MoeLaunch, element_size: int, weight_tiles: int, shared_memory: int) -> int:
+    """The launch's pipeline stages, fewer where the tiles they buffer would overflow shared
+    memory: the table was sized for bf16 and one weight tile, and a float32 model or the
+    gate-and-up matmul (two weight tiles) needs more. Triton buffers stages - 1 copies."""
+    per_stage = (launch.block_m + weight_tiles * launch.block_n) * launch.block_k * element_size
+    stages = launch.num_stages
+    while stages > 2 and (stages - 1) * per_stage > shared_memory:
+        stages -= 1
+    return stages
+
+
 def _grouped_matmul(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -347,7 +367,7 @@ def _grouped_matmul(
         # float32 models get exact float32 products (their outputs are compared with HF's).
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        num_stages=stages_that_fit(launch, a.element_size(), 1 + silu_and_mul, _shared_memory_bytes(a.device)),
     )
     return out
 

@@ -121,3 +121,14 @@ def test_rows_that_would_rarely_share_an_expert_are_not_grouped():
     expected = moe.grouped(hidden, weights, experts)
     got = fused_moe(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts)
     torch.testing.assert_close(got, expected, atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
+
+
+def test_pipeline_stages_shrink_to_fit_shared_memory():
+    """Hopper's 227 KB: float32 tiles of the gate-and-up matmul (two weight tiles a stage) need
+    fewer stages than the bf16 table gives; bf16 keeps its stages."""
+    from kestrel.layers.fused_moe import stages_that_fit
+
+    launch = MoeLaunch(block_m=16, block_n=128, block_k=128)  # 3 stages
+    assert stages_that_fit(launch, 2, 2, 232448) == 3  # bf16: 2 x 69,632 bytes buffered
+    assert stages_that_fit(launch, 4, 2, 232448) == 2  # float32: 2 x 139,264 would overflow
+    assert stages_that_fit(launch, 4, 1, 232448) == 3
