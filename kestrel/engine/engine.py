@@ -125,10 +125,6 @@ class LLMEngine:
         # after each sample (advanced as soon as the samples reach the host).
         self._grammar_open: dict[str, list[bool]] = {}
         self.speculation = self._speculation(args)
-        if self.speculation is not None:
-            # Drafts follow the last accepted token, so each step's results are read before
-            # the next is planned.
-            self._overlap = False
 
     def _speculation(self, args: EngineArgs) -> Speculation | None:
         if args.speculative_config is None:
@@ -228,7 +224,8 @@ class LLMEngine:
         outputs += self._read_in_flight()  # the previous step's results, while this one runs
         if launched is not None:
             self._in_flight = _InFlightStep(requests, launched)
-            if not self._overlap:
+            # A verify step's outcome decides what its requests run next: read before planning.
+            if not self._overlap or any(r.draft_token_ids for r in requests.values()):
                 outputs += self._read_in_flight()
         elif not outputs and self.structured:
             self.structured.wait_for_grammars(GRAMMAR_WAIT_SECONDS)  # nothing runs until one compiles
@@ -241,6 +238,9 @@ class LLMEngine:
         asks = []
         for request in self._running:
             request.draft_token_ids = ()
+            if not self.speculation.drafts_now(request.request_id):
+                self.speculation.pass_step(request.request_id)
+                continue
             # Its prompt computed and every sample read; after a rejection on a hybrid model
             # the accepted tokens are computed again in the same chunk as the new drafts.
             decodes = request.num_computed_tokens >= request.num_prompt_tokens and not request.num_pending_tokens
@@ -253,6 +253,8 @@ class LLMEngine:
             if drafts and self._requests[request_id].params.structured_outputs is not None:
                 drafts = self.structured.valid_drafts(request_id, drafts)
             self._requests[request_id].draft_token_ids = drafts
+            if not drafts:
+                self.speculation.record_outcome(request_id, 0)
 
     def _fail_broken_grammars(self) -> list[RequestOutput]:
         """Finish the waiting requests whose grammar failed to compile (it was checked when
@@ -285,10 +287,23 @@ class LLMEngine:
 
     def _needs_host_tokens(self) -> bool:
         """Whether the next step's work depends on results still on the device: penalties and
-        bad words read every output token, and prompt logprobs continue from the last chunk's.
+        bad words read every output token, prompt logprobs continue from the last chunk's, and
+        drafts follow the last token.
         (A grammar's next mask follows the last token too, but only the sampler needs it,
         after the forward pass is queued: `_MasksAfterLastStep`.)"""
-        return any(r.params.needs_output_tokens or r.wants_prompt_logprobs for r in self._running)
+        return any(
+            r.params.needs_output_tokens or r.wants_prompt_logprobs or self._drafts_next(r) for r in self._running
+        )
+
+    def _drafts_next(self, request: Request) -> bool:
+        """Whether the request may draft in the step being planned: drafts follow its last
+        token, which must be on the host (a pausing request lets the steps overlap)."""
+        spec = self.speculation
+        return (
+            spec is not None
+            and request.num_computed_tokens >= request.num_prompt_tokens
+            and spec.drafts_now(request.request_id)
+        )
 
     def _read_results(self) -> None:
         """Wait for the step in flight and advance its requests' grammars by its samples,
@@ -464,6 +479,7 @@ class LLMEngine:
         kept, standing = self.speculation.verify([s.token_id for s in sampled], drafts)
         accepted = kept - 1
         self.speculation.stats.record(len(drafts), accepted)
+        self.speculation.record_outcome(request.request_id, accepted)
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += accepted
         # State stands for the last token and the accepted drafts; the kept sample after them

@@ -203,6 +203,20 @@ class SpeculationStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+# A request whose drafts came to nothing this many times in a row (none proposed, or none
+# accepted) pauses drafting, for 1, 2, 4 ... up to MAX_PAUSE_STEPS steps; any accepted draft
+# ends the pause. Drafting needs the last token on the host, so a step in which no request
+# drafts can be planned while the one before still runs (overlapped scheduling).
+MISSES_BEFORE_PAUSE = 2
+MAX_PAUSE_STEPS = 8
+
+
+@dataclass
+class _Pause:
+    misses: int = 0  # drafting rounds in a row that came to nothing
+    steps_left: int = 0  # steps still to pass before the request drafts again
+
+
 class Speculation:
     """The engine's drafting policy: which requests draft, how many tokens, from what."""
 
@@ -211,6 +225,28 @@ class Speculation:
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculationStats()
         self.forced: ForcedAcceptance | None = None  # benchmarks only: see ForcedAcceptance
+        self._pauses: dict[str, _Pause] = {}
+
+    def drafts_now(self, request_id: str) -> bool:
+        """Whether the request drafts this step (it is not pausing)."""
+        pause = self._pauses.get(request_id)
+        return pause is None or pause.steps_left == 0
+
+    def pass_step(self, request_id: str) -> None:
+        """A step in which a pausing request did not draft."""
+        pause = self._pauses.get(request_id)
+        if pause is not None and pause.steps_left:
+            pause.steps_left -= 1
+
+    def record_outcome(self, request_id: str, num_accepted: int) -> None:
+        """A drafting round's outcome: accepted drafts (0 also where none was proposed)."""
+        if num_accepted:
+            self._pauses.pop(request_id, None)
+            return
+        pause = self._pauses.setdefault(request_id, _Pause())
+        pause.misses += 1
+        if pause.misses >= MISSES_BEFORE_PAUSE:
+            pause.steps_left = min(2 ** (pause.misses - MISSES_BEFORE_PAUSE), MAX_PAUSE_STEPS)
 
     def verify(self, samples: Sequence[int], drafts: Sequence[int]) -> tuple[int, tuple[int, ...]]:
         """How many samples stand, and the tokens that stand in their place (the samples
@@ -230,6 +266,7 @@ class Speculation:
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
+        self._pauses.pop(request_id, None)
 
     def observe(self, request_id: str, first_position: int, hidden_states: Any) -> None:
         self.proposer.observe(request_id, first_position, hidden_states)

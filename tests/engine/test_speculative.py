@@ -538,3 +538,20 @@ def test_mtp_under_preemption_keeps_outputs_and_frees_everything(mtp_checkpoint)
     assert_pool_balanced(tight)
     assert_draft_pool_empty(tight)
     assert not tight.engine.speculation.proposer._pending
+
+
+def test_requests_whose_drafts_come_to_nothing_pause_and_let_steps_overlap(checkpoint_dir):
+    """Drafting needs the last token on the host; a request whose drafts keep failing pauses,
+    so the engine plans the next step while the last one runs, and outputs stay the same."""
+    path = str(checkpoint_dir("qwen3"))
+    torch.manual_seed(11)
+    batch = [{"prompt_token_ids": torch.randperm(400)[:30].tolist()} for _ in range(2)]  # nothing repeats
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
+    expected = generate(LLM(path, device="cpu"), batch, params)
+    llm = LLM(path, device="cpu", speculative_config=NGRAM)
+    engine, overlapped = llm.engine, []
+    launch = engine.parts.executor.launch
+    engine.parts.executor.launch = lambda *a: (overlapped.append(engine._in_flight is not None), launch(*a))[1]
+    assert_same_outputs(generate(llm, batch, params), expected)
+    assert sum(overlapped) > 10, "paused requests were meant to let steps overlap"
+    assert not engine.speculation._pauses  # forgotten with the finished requests
