@@ -207,7 +207,7 @@ class SpeculationStats:
 # accepted) pauses drafting, for 1, 2, 4 ... up to MAX_PAUSE_STEPS steps; any accepted draft
 # ends the pause. Drafting needs the last token on the host, so a step in which no request
 # drafts can be planned while the one before still runs (overlapped scheduling).
-MISSES_BEFORE_PAUSE = 2
+MISSES_BEFORE_PAUSE = 3
 MAX_PAUSE_STEPS = 8
 
 
