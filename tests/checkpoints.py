@@ -154,3 +154,46 @@ def add_mtp_head(source: Path, directory: Path, seed: int = 1) -> Path:
         tensors[f"mtp.{norm}.weight"] = 0.1 * torch.randn(hidden, generator=generator)
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     return directory
+
+
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as FP8 releases store it: float8 e4m3 values and one float32 scale per block
+    (`weight_scale_inv`, which multiplies the values back), each block's largest |value| at 448."""
+    rows, columns = block
+    out, inner = weight.shape
+    padded = torch.zeros(-(-out // rows) * rows, -(-inner // columns) * columns)
+    padded[:out, :inner] = weight.float()
+    tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // columns, columns)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    values = (tiles / scale[:, None, :, None]).view_as(padded)[:out, :inner].to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def write_fp8_checkpoint(source: Path, directory: Path, block: tuple[int, int] = (32, 32)) -> Path:
+    """A copy of a checkpoint with every decoder projection in block-scaled FP8, its config
+    saying so as transformers' FP8 releases do; embeddings, norms, routers and the LM head
+    stay floats (`modules_to_not_convert`)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, tensor in list(tensors.items()):
+            if name.startswith("model.layers.") and name.endswith("proj.weight") and tensor.dim() == 2:
+                tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = fp8_blocks(tensor, block)
+        save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head"],
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

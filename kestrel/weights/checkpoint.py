@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from kestrel.weights.fp8 import Fp8Config, dequantized_tensors
+
 logger = logging.getLogger("kestrel")
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -84,13 +86,19 @@ class SafetensorsCheckpoint(Checkpoint):
             config = AutoConfig.from_pretrained(self.path)
         except (ValueError, KeyError) as error:
             raise ValueError(f"cannot read {self.path / 'config.json'}: {error}") from None
+        self._fp8 = None
         quantization = getattr(config, "quantization_config", None)
         if quantization:
-            method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-            raise UnsupportedQuantizationError(
-                f"{self.path}: quantization method {method!r} is not supported yet; "
-                "load an unquantized (bf16/fp16/fp32) checkpoint"
-            )
+            if not isinstance(quantization, dict):
+                quantization = quantization.to_dict()
+            method = quantization.get("quant_method", "unknown")
+            if method != "fp8":
+                raise UnsupportedQuantizationError(
+                    f"{self.path}: quantization method {method!r} is not supported yet (supported: 'fp8'); "
+                    "load an fp8 or an unquantized (bf16/fp16/fp32) checkpoint"
+                )
+            self._fp8 = Fp8Config.from_quantization_config(quantization)
+            logger.info("%s stores FP8 weights: dequantized at load (float8 matmuls are not used yet)", self.path)
         return config
 
     def hf_config(self) -> Any:
@@ -114,10 +122,15 @@ class SafetensorsCheckpoint(Checkpoint):
         return files
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        fp8 = self._fp8 if self._config is not None else None  # reading the config finds it
         for path in self.files():
             with safe_open(str(path), framework="pt", device="cpu") as shard:
-                for name in shard.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    yield name, shard.get_tensor(name)
+                names = list(shard.keys())
+                if fp8 is None:
+                    for name in names:
+                        yield name, shard.get_tensor(name)
+                else:  # a layer's scales sit in its weight's shard, as the FP8 releases write them
+                    yield from dequantized_tensors(names, shard.get_tensor, fp8)
 
     def tokenizer(self) -> Any | None:
         if not any((self.path / name).exists() for name in TOKENIZER_FILES):
