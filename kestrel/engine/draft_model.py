@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
-class _Fed:
+class FedPrefix:
     """The tokens a request's draft KV holds: the first `num_tokens` of its tokens (a request's
     tokens only grow, so these stay its own), then the drafts fed after them, which stand
     only as far as the request accepted them."""
@@ -66,7 +66,7 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner, kv: PagedKVProvider, max_model_len: int, max_batch_tokens: int) -> None:
         self.runner, self.kv = runner, kv
         self.max_model_len, self.max_batch_tokens = max_model_len, max_batch_tokens
-        self._fed: dict[str, _Fed] = {}  # per request, the tokens whose KV the draft pool holds
+        self._fed: dict[str, FedPrefix] = {}  # per request, the tokens whose KV the draft pool holds
 
     def propose(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
         catchups = self._plan_catchups(asks)
@@ -84,7 +84,7 @@ class DraftModelProposer:
                     drafts[result.request_id].extend(s.token_id for s in result.sampled)
         for c in catchups:
             fed_drafts = tuple(drafts.get(c.ask.request_id, ())[: c.ask.num_tokens - 1])
-            self._fed[c.ask.request_id] = _Fed(c.start + c.num_fed, fed_drafts)
+            self._fed[c.ask.request_id] = FedPrefix(c.start + c.num_fed, fed_drafts)
         return [tuple(drafts.get(ask.request_id, ())) for ask in asks]
 
     def release(self, request_id: str) -> None:
@@ -103,7 +103,7 @@ class DraftModelProposer:
             tokens = ask.token_ids
             if budget == 0 or len(tokens) + ask.num_tokens > self.max_model_len:
                 continue
-            start = min(self._fed.get(ask.request_id, _Fed()).matching(tokens), len(tokens) - 1)
+            start = min(self._fed.get(ask.request_id, FedPrefix()).matching(tokens), len(tokens) - 1)
             num_fed = min(len(tokens) - start, budget)
             pages = self._reserve(ask.request_id, start, start + num_fed + ask.num_tokens - 1, asks)
             if pages is None:
@@ -115,7 +115,7 @@ class DraftModelProposer:
     def _reserve(self, request_id: str, start: int, end: int, asks: Sequence[DraftAsk]) -> tuple[int, ...] | None:
         """The request's pages for its first `end` tokens, its KV past `start` dropped; when the
         pool is full, requests that do not draft now lose their draft state first."""
-        self._fed[request_id] = _Fed(start)
+        self._fed[request_id] = FedPrefix(start)
         self.kv.rollback(request_id, start)
         try:
             return tuple(self.kv.reserve(request_id, end))

@@ -21,7 +21,7 @@ import torch
 
 from kestrel.core.runner import ModelRunner, SequenceWork
 from kestrel.core.state import PagedKVProvider
-from kestrel.engine.draft_model import GREEDY, DraftModelProposer, _Fed
+from kestrel.engine.draft_model import GREEDY, DraftModelProposer, FedPrefix
 from kestrel.engine.speculative import DraftAsk
 
 if TYPE_CHECKING:  # the model modules import Triton kernels: not on the server's request path
@@ -70,7 +70,7 @@ class MtpProposer(DraftModelProposer):
         self._pending: dict[str, _Pending] = {}
 
     def observe(self, request_id: str, first_position: int, hidden_states: torch.Tensor) -> None:
-        fed = self._fed.get(request_id, _Fed()).num_tokens
+        fed = self._fed.get(request_id, FedPrefix()).num_tokens
         old = self._pending.get(request_id)
         if old is not None and old.first <= first_position <= old.end:
             merged = _Pending(old.first, torch.cat([old.states[: first_position - old.first], hidden_states]))
@@ -103,7 +103,7 @@ class MtpProposer(DraftModelProposer):
             drafting, sample_rows = [drafting[i] for i in chained], torch.arange(len(chained))
         drafts = self._read_drafts(launched, catchups)
         for r in catchups:
-            self._fed[r.ask.request_id] = _Fed(r.start + r.count)
+            self._fed[r.ask.request_id] = FedPrefix(r.start + r.count)
             pending = self._pending[r.ask.request_id]
             self._pending[r.ask.request_id] = _Pending(r.start + r.count, pending.states[r.count :])
         return [tuple(drafts.get(ask.request_id, ())) for ask in asks]
