@@ -132,14 +132,26 @@ def test_verify_chunks_split_by_the_token_budget_and_stop_mid_draft(engines):
 
 
 def test_request_metrics_count_drafts(engines):
-    _, speculative = engines
+    """An oracle drafting the model's own greedy path, each draft right half the time: the
+    request's metrics count what it drafted and what stood."""
+    from kestrel.bench.speculative import OracleProposer
+
+    plain, speculative = engines
+    prompt = looping_prompts(1)[0]["prompt_token_ids"]
+    (greedy,) = plain.generate({"prompt_token_ids": prompt}, PARAMS[0], use_tqdm=False)
     engine = speculative.engine
-    engine.add_request("m", looping_prompts(1)[0]["prompt_token_ids"], PARAMS[0])
-    final = None
-    while engine.has_unfinished_requests():
-        final = next((o for o in engine.step() if o.finished), final)
+    proposer = engine.speculation.proposer
+    engine.speculation.proposer = OracleProposer(prompt + greedy.outputs[0].token_ids, 0.5)
+    try:
+        engine.add_request("m", prompt, PARAMS[0])
+        final = None
+        while engine.has_unfinished_requests():
+            final = next((o for o in engine.step() if o.finished), final)
+    finally:
+        engine.speculation.proposer = proposer
+    assert final.outputs[0].token_ids == greedy.outputs[0].token_ids
     assert final.metrics.num_draft_tokens > 0
-    assert 0 < final.metrics.num_accepted_tokens <= final.metrics.num_draft_tokens
+    assert 0 < final.metrics.num_accepted_tokens < final.metrics.num_draft_tokens
 
 
 def test_preemption_under_speculation_keeps_outputs(checkpoint_dir):
