@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kestrel.core.runner import ModelRunner, SequenceWork
+from kestrel.core.runner import LaunchedStep, ModelRunner, SequenceWork
 from kestrel.core.state import OutOfPagesError, PagedKVProvider
 from kestrel.engine.speculative import DraftAsk
 from kestrel.sampling_params import SamplingParams
@@ -77,11 +77,7 @@ class DraftModelProposer:
         for index in range(1, max((c.ask.num_tokens for c in drafting), default=0)):
             work = [self._next_draft_work(c, index) for c in drafting if c.ask.num_tokens > index]
             launched.append(self.runner.launch(work))
-        drafts: dict[str, list[int]] = {c.ask.request_id: [] for c in drafting}
-        for step in launched:
-            for result in step.result().results:
-                if result.request_id in drafts:
-                    drafts[result.request_id].extend(s.token_id for s in result.sampled)
+        drafts = read_drafts(launched, [c.ask.request_id for c in drafting])
         for c in catchups:
             fed_drafts = tuple(drafts.get(c.ask.request_id, ())[: c.ask.num_tokens - 1])
             self._fed[c.ask.request_id] = FedPrefix(c.start + c.num_fed, fed_drafts)
@@ -154,3 +150,14 @@ class DraftModelProposer:
             seed=0,
             follows_last_sample=True,
         )
+
+
+def read_drafts(launched: list[LaunchedStep], request_ids: list[str]) -> dict[str, list[int]]:
+    """Each drafting request's samples over the launched draft steps, in order (reading
+    them waits for the last)."""
+    drafts: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    for step in launched:
+        for result in step.result().results:
+            if result.request_id in drafts:
+                drafts[result.request_id].extend(s.token_id for s in result.sampled)
+    return drafts

@@ -21,7 +21,7 @@ import torch
 
 from kestrel.core.runner import ModelRunner, SequenceWork
 from kestrel.core.state import PagedKVProvider
-from kestrel.engine.draft_model import GREEDY, DraftModelProposer, FedPrefix
+from kestrel.engine.draft_model import GREEDY, DraftModelProposer, FedPrefix, read_drafts
 from kestrel.engine.speculative import DraftAsk
 
 if TYPE_CHECKING:  # the model modules import Triton kernels: not on the server's request path
@@ -101,7 +101,7 @@ class MtpProposer(DraftModelProposer):
             self.head.hidden_input[: len(chained)].copy_(self.head.hidden_output[rows])
             launched.append(self.runner.launch([self._chained_work(drafting[i], index) for i in chained]))
             drafting, sample_rows = [drafting[i] for i in chained], torch.arange(len(chained))
-        drafts = self._read_drafts(launched, catchups)
+        drafts = read_drafts(launched, [r.ask.request_id for r in catchups if r.drafts])
         for r in catchups:
             self._fed[r.ask.request_id] = FedPrefix(r.start + r.count)
             pending = self._pending[r.ask.request_id]
@@ -156,12 +156,3 @@ class MtpProposer(DraftModelProposer):
             seed=0,
             follows_last_sample=True,
         )
-
-    @staticmethod
-    def _read_drafts(launched: list, catchups: list[_Rows]) -> dict[str, list[int]]:
-        drafts: dict[str, list[int]] = {r.ask.request_id: [] for r in catchups if r.drafts}
-        for step in launched:
-            for result in step.result().results:
-                if result.request_id in drafts:
-                    drafts[result.request_id].extend(s.token_id for s in result.sampled)
-        return drafts

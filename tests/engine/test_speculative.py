@@ -154,6 +154,14 @@ def test_request_metrics_count_drafts(engines):
     assert 0 < final.metrics.num_accepted_tokens < final.metrics.num_draft_tokens
 
 
+def record_preemptions(llm: LLM) -> list[str]:
+    """The ids of the requests the engine's plans preempt from now on, as they happen."""
+    preemptions = []
+    original = llm.engine._apply
+    llm.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    return preemptions
+
+
 def test_preemption_under_speculation_keeps_outputs(checkpoint_dir):
     path = str(checkpoint_dir("qwen3"))
     batch = looping_prompts(6)
@@ -163,9 +171,7 @@ def test_preemption_under_speculation_keeps_outputs(checkpoint_dir):
     # 6 requests x ~60 tokens need ~48 pages; the pool has 16 (drafts take pages too).
     page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
     tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=16 * page_bytes / 2**30, speculative_config=NGRAM)
-    preemptions = []
-    original = tight.engine._apply
-    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    preemptions = record_preemptions(tight)
     assert_same_outputs(generate(tight, batch, params), expected)
     assert preemptions, "the pool was meant to be too small for every request at once"
     assert tight.engine.stats().spec_decode_num_accepted_tokens > 0
@@ -208,9 +214,7 @@ def test_hybrid_speculation_under_preemption_keeps_outputs(checkpoint_dir):
     expected = generate(ample, batch, params)
     page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
     tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=16 * page_bytes / 2**30, speculative_config=NGRAM)
-    preemptions = []
-    original = tight.engine._apply
-    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    preemptions = record_preemptions(tight)
     assert_same_outputs(generate(tight, batch, params), expected)
     assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
     assert_pool_balanced(tight)
@@ -418,9 +422,7 @@ def test_draft_model_under_preemption_keeps_outputs(checkpoint_dir):
     budget = 32.5 * page_bytes / 2**30
     tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=budget, speculative_config=config)
     assert tight.engine.parts.kv.num_pages == 16 and tight.engine.parts.draft.kv.num_pages >= 16
-    preemptions = []
-    original = tight.engine._apply
-    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    preemptions = record_preemptions(tight)
     assert_same_outputs(generate(tight, batch, params), expected)
     assert preemptions, "the pool was meant to be too small for every request at once"
     assert tight.engine.stats().spec_decode_num_accepted_tokens > 0
@@ -542,9 +544,7 @@ def test_mtp_under_preemption_keeps_outputs_and_frees_everything(mtp_checkpoint)
     expected = generate(ample, batch, params)
     page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
     tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=18 * page_bytes / 2**30, speculative_config=MTP)
-    preemptions = []
-    original = tight.engine._apply
-    tight.engine._apply = lambda plan: (preemptions.extend(plan.preempted), original(plan))[1]
+    preemptions = record_preemptions(tight)
     assert_same_outputs(generate(tight, batch, params), expected)
     assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
     assert tight.engine.parts.kv.prefix_cache is None  # turned off for the head, with a warning
