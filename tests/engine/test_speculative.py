@@ -162,17 +162,24 @@ def record_preemptions(llm: LLM) -> list[str]:
     return preemptions
 
 
-def test_preemption_under_speculation_keeps_outputs(checkpoint_dir):
-    path = str(checkpoint_dir("qwen3"))
+def run_in_a_tight_pool(path: str, config: dict, budget_pages: float) -> tuple[LLM, list[str]]:
+    """Six looping requests of 40 greedy tokens (about 48 pages of 8 tokens at once) with
+    speculation, in a KV budget of `budget_pages` pages: outputs identical to an ample pool
+    without it. Returns the tight engine and the ids it preempted."""
     batch = looping_prompts(6)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
     ample = LLM(path, device="cpu", page_size=8)
     expected = generate(ample, batch, params)
-    # 6 requests x ~60 tokens need ~48 pages; the pool has 16 (drafts take pages too).
-    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
-    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=16 * page_bytes / 2**30, speculative_config=NGRAM)
+    budget = budget_pages * ample.engine.parts.kv.spec.bytes_per_page() / 2**30
+    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=budget, speculative_config=config)
     preemptions = record_preemptions(tight)
     assert_same_outputs(generate(tight, batch, params), expected)
+    return tight, preemptions
+
+
+def test_preemption_under_speculation_keeps_outputs(checkpoint_dir):
+    # 6 requests x ~60 tokens need ~48 pages; the pool has 16 (drafts take pages too).
+    tight, preemptions = run_in_a_tight_pool(str(checkpoint_dir("qwen3")), NGRAM, 16)
     assert preemptions, "the pool was meant to be too small for every request at once"
     assert tight.engine.stats().spec_decode_num_accepted_tokens > 0
     assert_pool_balanced(tight)
@@ -207,15 +214,7 @@ def test_hybrid_models_speculate_with_the_state_before_a_verify_kept(family, che
 
 
 def test_hybrid_speculation_under_preemption_keeps_outputs(checkpoint_dir):
-    path = str(checkpoint_dir("qwen3-next"))
-    batch = looping_prompts(6)
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
-    ample = LLM(path, device="cpu", page_size=8)
-    expected = generate(ample, batch, params)
-    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
-    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=16 * page_bytes / 2**30, speculative_config=NGRAM)
-    preemptions = record_preemptions(tight)
-    assert_same_outputs(generate(tight, batch, params), expected)
+    tight, preemptions = run_in_a_tight_pool(str(checkpoint_dir("qwen3-next")), NGRAM, 16)
     assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
     assert_pool_balanced(tight)
 
@@ -410,20 +409,11 @@ def test_greedy_outputs_identical_with_another_draft_model(checkpoint_dir, targe
 
 
 def test_draft_model_under_preemption_keeps_outputs(checkpoint_dir):
-    path = str(checkpoint_dir("qwen3"))
-    batch = looping_prompts(6)
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
-    ample = LLM(path, device="cpu", page_size=8)
-    expected = generate(ample, batch, params)
     # The budget is split between the two pools by their bytes per token: the target's share
     # holds 16 pages, far fewer than 6 requests need at once.
-    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
     config = draft_config(checkpoint_dir("qwen3"))
-    budget = 32.5 * page_bytes / 2**30
-    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=budget, speculative_config=config)
+    tight, preemptions = run_in_a_tight_pool(str(checkpoint_dir("qwen3")), config, 32.5)
     assert tight.engine.parts.kv.num_pages == 16 and tight.engine.parts.draft.kv.num_pages >= 16
-    preemptions = record_preemptions(tight)
-    assert_same_outputs(generate(tight, batch, params), expected)
     assert preemptions, "the pool was meant to be too small for every request at once"
     assert tight.engine.stats().spec_decode_num_accepted_tokens > 0
     assert_pool_balanced(tight)
@@ -537,15 +527,7 @@ def test_mtp_is_refused_for_a_model_without_a_head(checkpoint_dir):
 
 
 def test_mtp_under_preemption_keeps_outputs_and_frees_everything(mtp_checkpoint):
-    path = str(mtp_checkpoint)
-    batch = looping_prompts(6)
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
-    ample = LLM(path, device="cpu", page_size=8)
-    expected = generate(ample, batch, params)
-    page_bytes = ample.engine.parts.kv.spec.bytes_per_page()
-    tight = LLM(path, device="cpu", page_size=8, kv_cache_memory_gb=18 * page_bytes / 2**30, speculative_config=MTP)
-    preemptions = record_preemptions(tight)
-    assert_same_outputs(generate(tight, batch, params), expected)
+    tight, preemptions = run_in_a_tight_pool(str(mtp_checkpoint), MTP, 18)
     assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
     assert tight.engine.parts.kv.prefix_cache is None  # turned off for the head, with a warning
     assert_pool_balanced(tight)
