@@ -16,11 +16,22 @@ from pathlib import Path
 import torch
 
 from kestrel.bench.limits import ExpertStack
-from kestrel.layers.fused_moe import MoeLaunch, fused_moe, moe_launch
+from kestrel.layers.fused_moe import MatvecLaunch, MoeLaunch, expected_repeats, expert_matvecs, fused_moe, moe_launch
 
 # name: (experts, top_k, hidden, expert intermediate)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "qwen3-next": (512, 10, 2048, 512)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+MATVECS = [
+    MatvecLaunch(n, k, warps)
+    for n, k, warps in [(1, 1024, 4), (1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8)]
+]
+
+
+def matvec_candidates() -> list[tuple[MatvecLaunch, MatvecLaunch]]:
+    """(gate/up, down) launch pairs for decode steps whose rows share no expert."""
+    return list(itertools.product(MATVECS, MATVECS))
 
 
 def candidates(tokens: int) -> list[MoeLaunch]:
@@ -62,11 +73,14 @@ def sweep_shape(num_experts: int, top_k: int, hidden: int, inter: int, tokens_li
         weights, experts = logits.softmax(-1).topk(top_k, dim=-1)
         weights = weights.to(dtype)
 
-        def step(launch: MoeLaunch, x=x, weights=weights, experts=experts) -> torch.Tensor:
+        def step(launch, x=x, weights=weights, experts=experts) -> torch.Tensor:
+            if isinstance(launch, tuple):
+                return expert_matvecs(x, w13, w2, weights, experts.int(), launch)
             return fused_moe(x, w13, w2, weights, experts, launch)
 
         timings = []
-        for launch in candidates(tokens):
+        matvecs = expected_repeats(tokens * top_k, num_experts) < 1
+        for launch in matvec_candidates() if matvecs else candidates(tokens):
             try:
                 ms = graph_ms(lambda launch=launch: step(launch))
             except Exception as error:  # out of shared memory for this tile: not a candidate here
@@ -84,12 +98,12 @@ def sweep_shape(num_experts: int, top_k: int, hidden: int, inter: int, tokens_li
                 tokens=tokens,
                 num_rows=tokens * top_k,
                 best_ms=best_ms,
-                best=best.__dict__,
+                best=str(best),
                 table_ms=current_ms,
                 distinct_experts=distinct,
                 expected_distinct=stack.expected_distinct(tokens),
                 best_gb_s=gb_s,
-                top5=[(ms, launch.__dict__) for ms, launch in timings[:5]],
+                top5=[(ms, str(launch)) for ms, launch in timings[:5]],
             )
         )
         print(

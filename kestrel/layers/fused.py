@@ -271,3 +271,171 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
             HEADS=per_program,
         )
     return x
+
+
+@triton.jit
+def _head_norm_rotary_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_x_token,
+    stride_x_head,
+    stride_cos,
+    num_heads,
+    head_dim,
+    eps,
+    HALF_ROTARY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
+    """HEADS heads of one token: RMS-normalised over head_dim (rounded as `_rms_norm_kernel`
+    rounds), then the first 2 * HALF_ROTARY columns rotated as `rotate_half_pair` rotates;
+    written to a contiguous `out`. Each column's rotation partner is read as a second load."""
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < head_dim
+    rotated = cols < 2 * HALF_ROTARY
+    partner = tl.where(cols < HALF_ROTARY, cols + HALF_ROTARY, cols - HALF_ROTARY)
+    partner = tl.where(rotated, partner, cols)
+    mask = (heads < num_heads)[:, None] & inside[None, :]
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)[None, :]
+    partner_weight = tl.load(weight_ptr + partner, mask=inside, other=0.0).to(tl.float32)[None, :]
+    cos = tl.load(cos_ptr + token * stride_cos + cols, mask=rotated, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + token * stride_cos + cols, mask=rotated, other=0.0)[None, :]
+    wait_for_inputs(DEPENDENT)
+    rows = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head
+    x = tl.load(rows + cols[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    x32 = x.to(tl.float32)
+    inverse_rms = (1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / head_dim + eps))[:, None]
+    normed = (weight * (x32 * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
+    other = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    other = (partner_weight * (other * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
+    signed_other = tl.where((cols < HALF_ROTARY)[None, :], -other, other)
+    turned = ((normed * cos.to(dtype)).to(dtype) + (signed_other * sin.to(dtype)).to(dtype)).to(dtype)
+    result = tl.where(rotated[None, :], turned, normed)
+    out_rows = out_ptr + token * num_heads * head_dim + heads[:, None] * head_dim
+    tl.store(out_rows + cols[None, :], result, mask=mask)
+
+
+def head_norm_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """x [tokens, heads, head_dim] (any token and head strides) normalised per head by
+    `weight`, then rotated on its first cos.shape[-1] columns (partial rotary): a new
+    contiguous tensor, in one launch where a copy, a norm and a partial rotary took a dozen."""
+    tokens, num_heads, head_dim = x.shape
+    out = torch.empty((tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        per_program = min(ROTARY_HEADS, triton.next_power_of_2(num_heads))
+        _head_norm_rotary_kernel[(tokens, triton.cdiv(num_heads, per_program))](
+            x,
+            weight,
+            out,
+            cos,
+            sin,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            num_heads,
+            head_dim,
+            eps,
+            HALF_ROTARY=cos.shape[-1] // 2,
+            BLOCK=triton.next_power_of_2(head_dim),
+            HEADS=per_program,
+            **dependent_launch_args(x.device),
+        )
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr,
+    gate_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_gate_token,
+    stride_gate_head,
+    dim,
+    eps,
+    BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
+    """One head of one token: norm(x) * weight (rounded as `_rms_norm_kernel` rounds) times
+    silu(gate) in float32, rounded once."""
+    token, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < dim
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    wait_for_inputs(DEPENDENT)
+    row = (token * heads + head) * dim
+    x = tl.load(x_ptr + row + cols, mask=inside, other=0.0)
+    gate_row = gate_ptr + token * stride_gate_token + head * stride_gate_head
+    gate = tl.load(gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+    x32 = x.to(tl.float32)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / dim + eps)
+    normed = (weight * (x32 * inverse_rms).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row + cols, (normed * gate * tl.sigmoid(gate)).to(x.dtype), mask=inside)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm(x) * weight * silu(gate) per head: x [tokens, heads, dim], gate the same shape at
+    any token and head strides (a projection's columns). One launch where five ran."""
+    tokens, heads, dim = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _gated_rms_norm_kernel[(tokens, heads)](
+            x,
+            gate,
+            weight,
+            out,
+            gate.stride(0),
+            gate.stride(1),
+            dim,
+            eps,
+            BLOCK=triton.next_power_of_2(dim),
+            **dependent_launch_args(x.device),
+        )
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x_ptr, gate_ptr, out_ptr, stride_gate_token, stride_gate_head, dim, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr
+):
+    """One head of one token: x * sigmoid(gate), the sigmoid rounded to x's dtype first as
+    torch rounds it."""
+    token, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < dim
+    wait_for_inputs(DEPENDENT)
+    row = (token * heads + head) * dim
+    x = tl.load(x_ptr + row + cols, mask=inside, other=0.0)
+    gate_row = gate_ptr + token * stride_gate_token + head * stride_gate_head
+    gate = tl.load(gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+    scale = tl.sigmoid(gate).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row + cols, (x.to(tl.float32) * scale).to(x.dtype), mask=inside)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, dim] * sigmoid(gate), gate the same shape at any token and head
+    strides (each head's gate beside its query in the projection): one launch where a copy,
+    a sigmoid and a product ran."""
+    tokens, heads, dim = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _sigmoid_gate_kernel[(tokens, heads)](
+            x,
+            gate,
+            out,
+            gate.stride(0),
+            gate.stride(1),
+            dim,
+            BLOCK=triton.next_power_of_2(dim),
+            **dependent_launch_args(x.device),
+        )
+    return out

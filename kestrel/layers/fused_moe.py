@@ -11,8 +11,11 @@ expert per token). The grouping is three small kernels (count each expert's rows
 each expert's run; place each row), each spread over many programs, not a sort: a decode
 step runs it in every layer, where a dozen torch ops cost more than the matmuls' bytes.
 Where so few rows are routed that no expert is likely to get two (a decode step of one or
-two requests), there is no grouping at all: each row is a block of its own. Launch shapes
-come from a table per run length (`moe_launch`), which scripts/moe_sweep.py measures per GPU.
+two requests), there is no grouping and no matmul tile: each routed row is a matrix-vector
+product (`expert_matvecs`), the gate/up one with its activation, the down one summing a
+token's experts as it reads them, so a decode layer's experts cost two launches. Launch
+shapes come from a table per run length (`moe_launch`), which scripts/moe_sweep.py measures
+per GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+from kestrel.layers.gemv import row_dots
 
 
 @dataclass(frozen=True)
@@ -372,6 +378,137 @@ def _grouped_matmul(
     return out
 
 
+@triton.jit
+def _expert_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    experts_ptr,
+    out_ptr,
+    inter,
+    K,
+    stride_x,
+    stride_w_expert,
+    stride_w_n,
+    WIDTH: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[row, n] = silu(gate[n]) * up[n] of routed row `row` (token row // WIDTH) through
+    its expert's gate rows w13[e, :inter] and up rows w13[e, inter:], float32 throughout."""
+    row = tl.program_id(0)
+    wait_for_inputs(DEPENDENT)  # the expert comes from the routing kernel: nothing to prefetch
+    expert = tl.load(experts_ptr + row).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < inter
+    x_row = x_ptr + (row // WIDTH) * stride_x
+    w_rows = w13_ptr + expert * stride_w_expert
+    gate, up = row_dots(x_row, w_rows, cols, in_cols, K, stride_w_n, inter, True, False, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + row * inter + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=in_cols)
+
+
+@triton.jit
+def _expert_down_sum_kernel(
+    activated_ptr,
+    w2_ptr,
+    experts_ptr,
+    weights_ptr,
+    out_ptr,
+    hidden,
+    inter,
+    stride_w_expert,
+    stride_w_n,
+    stride_out,
+    WIDTH: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[token, n] = sum over the token's WIDTH routed rows of weight * (w2[e, n] .
+    activated[row]), summed in float32 and rounded once."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < hidden
+    wait_for_inputs(DEPENDENT)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for choice in tl.static_range(WIDTH):
+        row = token * WIDTH + choice
+        expert = tl.load(experts_ptr + row).to(tl.int64)
+        w_rows = w2_ptr + expert * stride_w_expert
+        dots, _ = row_dots(
+            activated_ptr + row * inter, w_rows, cols, in_cols, inter, stride_w_n, 0, False, False, BLOCK_N, BLOCK_K
+        )
+        total += tl.load(weights_ptr + row).to(tl.float32) * dots
+    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=in_cols)
+
+
+@dataclass(frozen=True)
+class MatvecLaunch:
+    """How the expert matvecs tile: output rows per program, and the columns read per load."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+def matvec_launch(outputs: int, columns: int) -> MatvecLaunch:
+    """Two output rows per program, each read in blocks of up to 2048 columns: many loads in
+    flight per multiprocessor, as the dense one-row matvec's best configurations on the H200."""
+    return MatvecLaunch(block_n=2, block_k=min(2048, triton.next_power_of_2(columns)), num_warps=4)
+
+
+def expert_matvecs(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    launches: tuple[MatvecLaunch, MatvecLaunch] | None = None,
+) -> torch.Tensor:
+    """`fused_moe` for rows that share no expert: one matrix-vector product per routed row,
+    in two launches (gate/up with silu, then down summed over each token's experts)."""
+    tokens, width = experts.shape
+    inter, hidden_size = w2.shape[2], w2.shape[1]
+    gate_up, down = launches or (matvec_launch(inter, hidden_size), matvec_launch(hidden_size, inter))
+    activated = torch.empty((tokens * width, inter), dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty((tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    pdl = dependent_launch_args(hidden.device)
+    _expert_gate_up_kernel[(tokens * width, triton.cdiv(inter, gate_up.block_n))](
+        hidden,
+        w13,
+        experts,
+        activated,
+        inter,
+        hidden_size,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        WIDTH=width,
+        BLOCK_N=gate_up.block_n,
+        BLOCK_K=gate_up.block_k,
+        num_warps=gate_up.num_warps,
+        **pdl,
+    )
+    _expert_down_sum_kernel[(tokens, triton.cdiv(hidden_size, down.block_n))](
+        activated,
+        w2,
+        experts,
+        weights,
+        out,
+        hidden_size,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        WIDTH=width,
+        BLOCK_N=down.block_n,
+        BLOCK_K=down.block_k,
+        num_warps=down.num_warps,
+        **pdl,
+    )
+    return out
+
+
 def expected_repeats(num_rows: int, num_experts: int) -> float:
     """How many pairs of rows routed at random pick the same expert: the weight reads that
     one-row blocks repeat where grouping would share them."""
@@ -393,9 +530,8 @@ def fused_moe(
     num_experts = w13.shape[0]
     launch = launch or moe_launch(num_rows, num_experts)
     if expected_repeats(num_rows, num_experts) < 1:
-        row_ids, block_experts = None, experts.flatten()
-    else:
-        row_ids, block_experts = group_by_expert(experts, num_experts, launch.block_m)
+        return expert_matvecs(hidden, w13, w2, weights.contiguous(), experts.contiguous())
+    row_ids, block_experts = group_by_expert(experts, num_experts, launch.block_m)
     activated = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k, launch, silu_and_mul=True)
     flat_weights = weights.flatten().contiguous()
     down = _grouped_matmul(activated, w2, row_ids, block_experts, num_rows, 1, launch, flat_weights)

@@ -34,7 +34,7 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _row_dots(
+def row_dots(
     x_ptr,
     w_ptr,
     rows,
@@ -93,7 +93,7 @@ def _gemv_kernel(
     """out[n] = sum_k w[n, k] * x[k] (+ bias[n]), float32 accumulation, for BLOCK_N rows per program."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    acc, _ = _row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
+    acc, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
@@ -114,7 +114,7 @@ def _gemv_silu_and_mul_kernel(
     """out[n] = silu(gate[n]) * up[n], where gate = w[:WIDTH] @ x and up = w[WIDTH:] @ x."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < WIDTH
-    gate, up = _row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, WIDTH, True, DEPENDENT, BLOCK_N, BLOCK_K)
+    gate, up = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, WIDTH, True, DEPENDENT, BLOCK_N, BLOCK_K)
     # Rounded where the separate linear and activation round, so both paths give the same bits.
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -147,7 +147,7 @@ def _gemv_rotary_kernel(
     in_rows = pairs < PAIRS
     half = pairs % HALF
     first_rows = pairs // HALF * (2 * HALF) + half
-    first, second = _row_dots(x_ptr, w_ptr, first_rows, in_rows, K, stride_w, HALF, True, DEPENDENT, BLOCK_N, BLOCK_K)
+    first, second = row_dots(x_ptr, w_ptr, first_rows, in_rows, K, stride_w, HALF, True, DEPENDENT, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         first += tl.load(bias_ptr + first_rows, mask=in_rows, other=0.0).to(tl.float32)
         second += tl.load(bias_ptr + first_rows + HALF, mask=in_rows, other=0.0).to(tl.float32)

@@ -20,6 +20,11 @@ class RMSNorm(nn.Module):
         """norm(x); with `residual`, (norm(x + residual), x + residual) in one pass."""
         return ops.rms_norm(x, self.effective_weight, self.eps, residual)
 
+    def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Each head of x [tokens, heads, dim] normalised, then rotated by cos and sin
+        [tokens, rotary dim] (a partial rotary dim too): one kernel on CUDA."""
+        return ops.head_norm_rotary(x, self.effective_weight, self.eps, cos, sin)
+
     @property
     def effective_weight(self) -> torch.Tensor:
         """What the normalised values are multiplied by (for kernels that fuse the norm)."""
@@ -30,8 +35,20 @@ class OffsetRMSNorm(RMSNorm):
     """RMSNorm whose checkpoint weight is the offset from one (zeros mean identity): Gemma,
     Qwen3-Next."""
 
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        self._folded: torch.Tensor | None = None
+
+    def after_weights_loaded(self) -> None:
+        """1 + weight computed once (the loader calls this): in a forward it took two launches
+        per norm, a hundred per decode step of a hybrid model."""
+        self._folded = self._fold()
+
     @property
     def effective_weight(self) -> torch.Tensor:
+        return self._folded if self._folded is not None else self._fold()
+
+    def _fold(self) -> torch.Tensor:
         # In float32, as HF computes it: in bf16, 1 + w keeps 8 bits, so an offset of 0.012
         # would move by up to 0.004.
         return self.weight.float() + 1

@@ -124,6 +124,37 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate.contiguous()).mul_(up)
 
 
+def head_norm_rotary(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """x [tokens, heads, head_dim] RMS-normalised per head, then rotated on its first
+    cos.shape[-1] columns (partial rotary too): one kernel on CUDA."""
+    if x.is_cuda and x.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.head_norm_rotary(x, weight, eps, cos, sin)
+    return rotary(rms_norm(x.contiguous(), weight, eps), cos, sin)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm(x) * weight * silu(gate) per head of x [tokens, heads, dim]; one kernel on CUDA."""
+    if x.is_cuda and gate.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.gated_rms_norm(x, gate, weight, eps)
+    normed = rms_norm(x, weight, eps)
+    return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) for x [tokens, heads, dim]; one kernel on CUDA."""
+    if x.is_cuda and gate.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.sigmoid_gate(x, gate)
+    return x * torch.sigmoid(gate)
+
+
 def qk_norm_rotary(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -8,8 +8,6 @@ from functools import lru_cache
 
 import torch
 
-from kestrel.layers import ops
-
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -54,8 +52,3 @@ def rotary_cos_sin(
     freqs = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim]; rotates the first rotary_dim channels of each head."""
-    return ops.rotary(x, cos, sin)

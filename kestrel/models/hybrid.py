@@ -31,7 +31,6 @@ from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_v
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice, copy_into
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import OffsetRMSNorm, RMSNorm
-from kestrel.layers.rotary import apply_rotary
 from kestrel.models.dense import (
     DecoderForCausalLM,
     DecoderMLP,
@@ -47,8 +46,7 @@ class GatedRMSNorm(RMSNorm):
     """norm(x) * weight * silu(gate), per value head."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = ops.rms_norm(x, self.weight, self.eps)
-        return (normed * F.silu(gate.float())).to(x.dtype)
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -319,13 +317,12 @@ class GatedAttention(nn.Module):
         query_gate, key, value = self.qkv_proj.split(self.qkv_proj(hidden))
         # Each head's projection holds its query, then its gate.
         query, gate = query_gate.view(tokens, spec.num_heads, 2 * spec.head_dim).chunk(2, dim=-1)
-        query = self.q_norm(query.contiguous())
-        key = self.k_norm(key.reshape(tokens, spec.num_kv_heads, spec.head_dim))
+        query = self.q_norm.rotated(query, *rotary)
+        key = self.k_norm.rotated(key.view(tokens, spec.num_kv_heads, spec.head_dim), *rotary)
         value = value.reshape(tokens, spec.num_kv_heads, spec.head_dim)
-        query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         attended = context.attend(self.kv_index, query, key, value, spec)
-        gated = attended.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(gated)
+        gated = ops.sigmoid_gate(attended.reshape(tokens, spec.num_heads, spec.head_dim), gate)
+        return self.o_proj(gated.view(tokens, -1))
 
 
 class SharedExpertMoe(SparseMoe):

@@ -58,4 +58,14 @@ def load_model(
         load_checkpoint(model, recipe, spec, checkpoint)
     else:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)} or 'dummy'")
+    weights_loaded(model)
     return model
+
+
+def weights_loaded(model: nn.Module) -> None:
+    """Let each module derive, once, what it computes from its loaded weights (a module
+    that does declares `after_weights_loaded`)."""
+    for module in model.modules():
+        hook = getattr(module, "after_weights_loaded", None)
+        if hook is not None:
+            hook()

@@ -97,3 +97,48 @@ def test_query_and_key_norms_and_rotary_in_one_pass(dtype, q_heads, kv_heads):
     close(query, expected_query.to(DEVICE))
     close(key, expected_key.to(DEVICE))
     assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], value)  # the value heads are left alone
+
+
+def cos_sin(tokens: int, rotary_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from kestrel.layers.rotary import RopeSpec, rotary_cos_sin
+
+    positions = torch.arange(3, 3 + tokens, device=DEVICE)
+    return rotary_cos_sin(positions, RopeSpec(theta=10000.0), rotary_dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [8, 32])
+def test_head_norm_rotary_on_the_query_beside_its_gate(dtype, rotary_dim):
+    """Qwen3-Next's query: each head's rows followed by its gate's (a strided view), a float32
+    offset-folded weight, a partial rotary dim (8 of 32) or the whole head."""
+    torch.manual_seed(7)
+    tokens, heads, head_dim = 3, 5, 32
+    query_gate = torch.randn(tokens, heads, 2 * head_dim, dtype=dtype, device=DEVICE)
+    query = query_gate.chunk(2, dim=-1)[0]
+    weight = torch.randn(head_dim, device=DEVICE) * 0.1 + 1
+    cos, sin = cos_sin(tokens, rotary_dim, dtype)
+    got = fused.head_norm_rotary(query, weight, 1e-6, cos, sin)
+    expected = ops.head_norm_rotary(query.cpu(), weight.cpu(), 1e-6, cos.cpu(), sin.cpu())
+    assert got.is_contiguous()
+    close(got, expected.to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_reads_its_gate_from_a_wider_projection(dtype):
+    torch.manual_seed(8)
+    tokens, heads, dim = 4, 3, 16
+    projection = torch.randn(tokens, 2 * heads * dim + 6, dtype=dtype, device=DEVICE)
+    gate = projection[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
+    x = torch.randn(tokens, heads, dim, dtype=dtype, device=DEVICE)
+    weight = (torch.rand(dim, device=DEVICE) + 0.5).to(dtype)
+    got = fused.gated_rms_norm(x, gate, weight, 1e-6)
+    close(got, ops.gated_rms_norm(x.cpu(), gate.cpu(), weight.cpu(), 1e-6).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gate_with_each_heads_gate_beside_its_query(dtype):
+    torch.manual_seed(9)
+    tokens, heads, dim = 2, 4, 16
+    gate = torch.randn(tokens, heads, 2 * dim, dtype=dtype, device=DEVICE).chunk(2, dim=-1)[1]
+    x = torch.randn(tokens, heads, dim, dtype=dtype, device=DEVICE)
+    close(fused.sigmoid_gate(x, gate), ops.sigmoid_gate(x.cpu(), gate.cpu()).to(DEVICE))

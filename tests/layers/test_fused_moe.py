@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kestrel.layers.fused_moe import (
+    MatvecLaunch,
     MoeLaunch,
     expected_repeats,
+    expert_matvecs,
     fused_moe,
     group_by_expert,
     moe_launch,
@@ -121,6 +123,24 @@ def test_rows_that_would_rarely_share_an_expert_are_not_grouped():
     expected = moe.grouped(hidden, weights, experts)
     got = fused_moe(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts)
     torch.testing.assert_close(got, expected, atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "launches", [None, (MatvecLaunch(4, 16), MatvecLaunch(1, 8)), (MatvecLaunch(8, 64), MatvecLaunch(2, 32))]
+)
+def test_expert_matvecs_sum_each_tokens_experts_as_the_torch_path(launches):
+    """Two tokens, three choices each (the last one always-on, as a stacked shared expert),
+    odd widths, and column blocks that take several loads per row."""
+    torch.manual_seed(2)
+    moe = SparseMoe(40, 36, 5, 2, True, num_stacked=6).to(DEVICE)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    hidden = torch.randn(2, 40, device=DEVICE)
+    experts = torch.tensor([[3, 0, 5], [1, 3, 5]], device=DEVICE)
+    weights = torch.rand(2, 3, device=DEVICE)
+    expected = moe.grouped(hidden, weights, experts)
+    got = expert_matvecs(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts, launches)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_pipeline_stages_shrink_to_fit_shared_memory():
