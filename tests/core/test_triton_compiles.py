@@ -115,6 +115,38 @@ CASES = {
         {"logits_ptr": "*bf16", "shared_logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i32"},
         dict(TOP_K=10, WIDTH=11, EXPERTS_POW2=512, SLOTS_POW2=16, RENORMALIZE=True),
     ),
+    "moe_expert_gate_up": (  # a decode token's routed rows, one matvec each
+        fused_moe._expert_gate_up_kernel,
+        {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
+        dict(WIDTH=8, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+    ),
+    "moe_expert_down_sum": (
+        fused_moe._expert_down_sum_kernel,
+        {
+            "activated_ptr": "*bf16",
+            "w2_ptr": "*bf16",
+            "experts_ptr": "*i32",
+            "weights_ptr": "*bf16",
+            "out_ptr": "*bf16",
+        },
+        dict(WIDTH=11, DEPENDENT=True, BLOCK_N=2, BLOCK_K=512),
+    ),
+    "head_norm_partial_rotary": (  # Qwen3-Next: 64 of 256 columns rotated, a float32 folded weight
+        fused._head_norm_rotary_kernel,
+        {"x_ptr": "*bf16", "weight_ptr": "*fp32", "out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
+        | {"eps": "fp32"},
+        dict(HALF_ROTARY=32, BLOCK=256, HEADS=16, DEPENDENT=True),
+    ),
+    "gated_rms_norm": (
+        fused._gated_rms_norm_kernel,
+        {"x_ptr": "*bf16", "gate_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+        dict(BLOCK=128, DEPENDENT=True),
+    ),
+    "sigmoid_gate": (
+        fused._sigmoid_gate_kernel,
+        {"x_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16"},
+        dict(BLOCK=256, DEPENDENT=True),
+    ),
     "moe_count_rows": (fused_moe.count_rows_kernel, MOE_GROUPING, dict(BLOCK=256)),
     "moe_expert_runs": (  # Qwen3-Next: 512 routed experts and the shared one stacked after them
         fused_moe.expert_runs_kernel,
