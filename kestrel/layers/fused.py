@@ -89,7 +89,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr
+):
+    wait_for_inputs(DEPENDENT)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < width
@@ -105,7 +108,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block
+        gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block, **dependent_launch_args(gate_up.device)
     )
     return out
 
@@ -151,8 +154,10 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One program per token and HEADS of its heads, which share the token's cos and sin."""
+    wait_for_inputs(DEPENDENT)
     token, heads, cols, inside, mask, base = _head_block(
         x_ptr, stride_x_token, stride_x_head, num_heads, HALF, BLOCK, HEADS
     )
@@ -180,10 +185,12 @@ def _qk_norm_rotary_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """In place, HEADS of one token's query-then-key heads: each RMS-normalised over its
     head_dim with the query's or the key's weight, rounded as `_rms_norm_kernel` rounds, then
     rotated as `_rotary_kernel` rotates."""
+    wait_for_inputs(DEPENDENT)
     token, heads, cols, inside, mask, base = _head_block(
         x_ptr, stride_x_token, stride_x_head, num_heads, HALF, BLOCK, HEADS
     )
@@ -243,6 +250,7 @@ def qk_norm_rotary_(
             HALF=half,
             BLOCK=triton.next_power_of_2(half),
             HEADS=per_program,
+            **dependent_launch_args(heads.device),
         )
     return heads
 
@@ -269,6 +277,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
             HALF=half,
             BLOCK=triton.next_power_of_2(half),
             HEADS=per_program,
+            **dependent_launch_args(x.device),
         )
     return x
 

@@ -77,10 +77,12 @@ def route_kernel(
     EXPERTS_POW2: tl.constexpr,
     SLOTS_POW2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One token's choices: the TOP_K largest of softmax(logits) in float32 (the first index
     wins a tie), renormalised to sum to one if asked; with WIDTH = TOP_K + 1, then the
     always-on shared expert (index num_experts) weighted by sigmoid(its gate's logit)."""
+    wait_for_inputs(DEPENDENT)
     token = tl.program_id(0)
     ids = tl.arange(0, EXPERTS_POW2)
     inside = ids < num_experts
@@ -131,6 +133,7 @@ def route(
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         SLOTS_POW2=triton.next_power_of_2(width),
         RENORMALIZE=renormalize,
+        **dependent_launch_args(logits.device),
     )
     return weights, experts
 
@@ -158,12 +161,14 @@ def grouped_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """C[row] = A[row // A_ROW_DIVISOR] @ B[expert]^T for the block's rows (B is [n, k] per
     expert, as a linear layer's weight), optionally times weights[row]. With ONE_ROW_BLOCKS,
     block i is row i alone and block_experts its routed experts, flat; no row ids. With
     SILU_AND_MUL, B holds 2n rows (gate, then up) and C[row] = silu(gate) * up, from float32
     accumulators, so the gate and up products never go to memory."""
+    wait_for_inputs(DEPENDENT)
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:  # past the last expert's run: the grid covers the most blocks routing can need
@@ -200,8 +205,9 @@ def grouped_matmul_kernel(
 
 
 @triton.jit
-def count_rows_kernel(experts_ptr, counts_ptr, num_rows, BLOCK: tl.constexpr):
+def count_rows_kernel(experts_ptr, counts_ptr, num_rows, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
     """counts[e] += the assignments to expert e among this program's rows."""
+    wait_for_inputs(DEPENDENT)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < num_rows
     chosen = tl.load(experts_ptr + offs, mask=inside, other=0)
@@ -220,10 +226,12 @@ def expert_runs_kernel(
     EXPERTS_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One program per expert: where its run starts (the padded counts before it, summed; the
     cursor `place_rows_kernel` advances), the expert of each of its blocks, and padding rows
     after its assignments. The last expert's program also marks what lies past the last run."""
+    wait_for_inputs(DEPENDENT)
     expert = tl.program_id(0)
     ids = tl.arange(0, EXPERTS_POW2)
     counts = tl.load(counts_ptr + ids, mask=ids < NUM_EXPERTS, other=0)
@@ -248,9 +256,10 @@ def _fill(ptr, begin, end, value, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def place_rows_kernel(experts_ptr, cursors_ptr, row_ids_ptr, num_rows, BLOCK: tl.constexpr):
+def place_rows_kernel(experts_ptr, cursors_ptr, row_ids_ptr, num_rows, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
     """Each assignment takes the next free place in its expert's run. The order inside a run
     is whatever the atomics give: every row is computed alone, so it does not matter."""
+    wait_for_inputs(DEPENDENT)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < num_rows
     chosen = tl.load(experts_ptr + offs, mask=inside, other=0)
@@ -277,7 +286,7 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tu
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
     rows_per_program = 256
     row_grid = (triton.cdiv(num_rows, rows_per_program),)
-    count_rows_kernel[row_grid](flat, counts, num_rows, BLOCK=rows_per_program)
+    count_rows_kernel[row_grid](flat, counts, num_rows, BLOCK=rows_per_program, **dependent_launch_args(flat.device))
     expert_runs_kernel[(num_experts,)](
         counts,
         cursors,
@@ -289,8 +298,11 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tu
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=block_m,
         CHUNK=64,
+        **dependent_launch_args(flat.device),
     )
-    place_rows_kernel[row_grid](flat, cursors, row_ids, num_rows, BLOCK=rows_per_program)
+    place_rows_kernel[row_grid](
+        flat, cursors, row_ids, num_rows, BLOCK=rows_per_program, **dependent_launch_args(flat.device)
+    )
     return row_ids, block_experts
 
 
@@ -374,6 +386,7 @@ def _grouped_matmul(
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps,
         num_stages=stages_that_fit(launch, a.element_size(), 1 + silu_and_mul, _shared_memory_bytes(a.device)),
+        **dependent_launch_args(a.device),
     )
     return out
 

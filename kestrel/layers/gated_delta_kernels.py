@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+
 
 @triton.jit
 def causal_conv_kernel(
@@ -41,11 +43,13 @@ def causal_conv_kernel(
     WIDTH: tl.constexpr,
     WIDTH_POW2: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One sequence's rows for a block of channels: out = silu(conv(prior ++ x)) with the
     prior read from the sequence's read slot, then the last WIDTH inputs become the prior of
     its slot and of its save slot. prior [slots, channels, WIDTH]; weight [channels,
     WIDTH + 1]. The program owns its (slot, channels), so it may overwrite what it read."""
+    wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = offs_c < channels
@@ -122,6 +126,7 @@ def causal_conv_varlen(
         WIDTH=width,
         WIDTH_POW2=triton.next_power_of_2(width),
         BLOCK_C=block_c,
+        **dependent_launch_args(x.device),
     )
     return out
 
@@ -151,11 +156,13 @@ def gated_delta_kernel(
     VALUE_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One (sequence, value head, block of value columns): the recurrence over the
     sequence's rows, from the state in its read slot to its slot and its save slot. mixed
     rows are the convolution's output [q | k | v] over all heads; state [slots, value heads,
     KEY_DIM, VALUE_DIM] in float32."""
+    wait_for_inputs(DEPENDENT)
     seq = tl.program_id(1) // NUM_VALUE_HEADS
     head = tl.program_id(1) % NUM_VALUE_HEADS
     key_head = head // (NUM_VALUE_HEADS // NUM_KEY_HEADS)
@@ -251,5 +258,6 @@ def gated_delta_varlen(
         VALUE_DIM=value_dim,
         BLOCK_K=triton.next_power_of_2(key_dim),
         BLOCK_V=block_v,
+        **dependent_launch_args(mixed.device),
     )
     return out

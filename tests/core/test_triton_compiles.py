@@ -56,13 +56,13 @@ CASES = {
     "rotary": (
         fused._rotary_kernel,
         {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},
-        dict(HALF=64, BLOCK=64, HEADS=16),
+        dict(HALF=64, BLOCK=64, HEADS=16, DEPENDENT=True),
     ),
     "qk_norm_rotary": (
         fused._qk_norm_rotary_kernel,
         {"x_ptr": "*bf16", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
         | {"eps": "fp32"},
-        dict(HALF=64, BLOCK=64, HEADS=16),
+        dict(HALF=64, BLOCK=64, HEADS=16, DEPENDENT=True),
     ),
     "store_kv_float8": (
         attention.store_kv_kernel,
@@ -96,24 +96,24 @@ CASES = {
         attention.prefill_kernel,
         ATTENTION | FLOAT8_POOL,
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, PAGE=16, BLOCK_N=64, PRECISION="tf32")
-        | dict(DOTS_IN_FP16=True, VALUES_BY_SLOT=True),
+        | dict(DOTS_IN_FP16=True, VALUES_BY_SLOT=True, DEPENDENT=True),
     ),
     "moe_matmul_decode": (
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
-        | dict(ONE_ROW_BLOCKS=True),
+        | dict(ONE_ROW_BLOCKS=True, DEPENDENT=True),
     ),
     "moe_matmul_tall": (
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32")
-        | dict(ONE_ROW_BLOCKS=False),
+        | dict(ONE_ROW_BLOCKS=False, DEPENDENT=True),
     ),
     "moe_route_with_shared": (  # Qwen3-Next: top 10 of 512, the shared expert after them
         fused_moe.route_kernel,
         {"logits_ptr": "*bf16", "shared_logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i32"},
-        dict(TOP_K=10, WIDTH=11, EXPERTS_POW2=512, SLOTS_POW2=16, RENORMALIZE=True),
+        dict(TOP_K=10, WIDTH=11, EXPERTS_POW2=512, SLOTS_POW2=16, RENORMALIZE=True, DEPENDENT=True),
     ),
     "moe_expert_gate_up": (  # a decode token's routed rows, one matvec each
         fused_moe._expert_gate_up_kernel,
@@ -147,24 +147,25 @@ CASES = {
         {"x_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16"},
         dict(BLOCK=256, DEPENDENT=True),
     ),
-    "moe_count_rows": (fused_moe.count_rows_kernel, MOE_GROUPING, dict(BLOCK=256)),
+    "moe_count_rows": (fused_moe.count_rows_kernel, MOE_GROUPING, dict(BLOCK=256, DEPENDENT=True)),
     "moe_expert_runs": (  # Qwen3-Next: 512 routed experts and the shared one stacked after them
         fused_moe.expert_runs_kernel,
         MOE_GROUPING,
-        dict(NUM_EXPERTS=513, EXPERTS_POW2=1024, BLOCK_M=16, CHUNK=64),
+        dict(NUM_EXPERTS=513, EXPERTS_POW2=1024, BLOCK_M=16, CHUNK=64, DEPENDENT=True),
     ),
-    "moe_place_rows": (fused_moe.place_rows_kernel, MOE_GROUPING, dict(BLOCK=256)),
+    "moe_place_rows": (fused_moe.place_rows_kernel, MOE_GROUPING, dict(BLOCK=256, DEPENDENT=True)),
     "causal_conv": (
         gated_delta_kernels.causal_conv_kernel,
         RECURRENT_STEP | {"x_ptr": "*bf16", "out_ptr": "*bf16", "prior_ptr": "*bf16", "weight_ptr": "*bf16"},
-        dict(WIDTH=3, WIDTH_POW2=4, BLOCK_C=256),
+        dict(WIDTH=3, WIDTH_POW2=4, BLOCK_C=256, DEPENDENT=True),
     ),
     "gated_delta": (
         gated_delta_kernels.gated_delta_kernel,
         RECURRENT_STEP
         | {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16"}
         | {"state_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32"},
-        dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32),
+        dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)
+        | dict(DEPENDENT=True),
     ),
 }
 

@@ -369,7 +369,9 @@ def prefill_kernel(
     PRECISION: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     # Later query blocks see more keys: launched first, the longest programs do not trail.

@@ -298,6 +298,7 @@ def prefill_attention(
         layer.scale,
         _window(layer),
         **constants,
+        **dependent_launch_args(query.device),
     )
 
 
