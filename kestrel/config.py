@@ -10,15 +10,16 @@ from kestrel.engine.speculative import SpeculativeConfig
 
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names
-QUANTIZATIONS = (None, "none", "int4")
+QUANTIZATIONS = (None, "none", "int4", "fp8")
 
 
 @dataclass(frozen=True)
 class EngineArgs:
     model: str
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    # Weight-only quantization applied after loading (vLLM's name): "int4" (4-bit groups of 32,
-    # the CPU), or None / "none": the weights as loaded.
+    # Quantization applied after loading (vLLM's name): "int4" (weight-only, 4-bit groups of 32,
+    # the CPU), "fp8" (float8 e4m3 weights with a scale per row, activations per token), or
+    # None / "none": the weights as loaded.
     quantization: str | None = None
     # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": keys and values stored as float8 e4m3,
     # which halves the bytes decode reads (and doubles the tokens the pool holds).

@@ -16,7 +16,7 @@ from torch import nn
 
 from kestrel.core.layer_spec import AttentionLayer
 from kestrel.layers.moe import SparseMoe
-from kestrel.layers.quantized import WIDE_MIN_ROWS, Int4Weight
+from kestrel.layers.quantized import WIDE_MIN_ROWS, Fp8Weight, Int4Weight, PackedWeight
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,13 @@ class ModelCost:
         expert_params = sum(stack.params_per_expert * stack.num_experts for stack in experts)
         table = spec.vocab_size * spec.hidden_size
         element = torch.empty((), dtype=parts.dtype).element_size()
-        packed = [w for w in (getattr(m, "weight", None) for m in model.modules()) if isinstance(w, Int4Weight)]
-        wide_bytes = sum(_bytes(w.wide) for w in packed if w.wide is not None)
-        narrow_bytes = sum(_bytes(w.packed) + _bytes(w.scales_and_zeros) for w in packed if w.wide is not None)
-        all_bytes = sum(_bytes(p) for p in model.parameters()) - wide_bytes  # a one-row step reads the codes
+        packed = [w for w in (getattr(m, "weight", None) for m in model.modules()) if isinstance(w, PackedWeight)]
+        int4 = [w for w in packed if isinstance(w, Int4Weight)]
+        wide_bytes = sum(_bytes(w.wide) for w in int4 if w.wide is not None)
+        narrow_bytes = sum(_bytes(w.packed) + _bytes(w.scales_and_zeros) for w in int4 if w.wide is not None)
+        # Off CUDA a float8 weight is read through its dequantized reference, not its float8 values.
+        unread_fp8 = sum(_bytes(w.values) for w in packed if isinstance(w, Fp8Weight) and w.reference is not None)
+        all_bytes = sum(_bytes(p) for p in model.parameters()) - wide_bytes - unread_fp8  # one row reads the codes
         all_params = sum(p.numel() for p in model.parameters()) + _packed_params_unpacked(packed)
         # An untied embedding table is only looked up (a few rows a step); a tied one is the LM head.
         dense_bytes = all_bytes - expert_bytes - (0 if spec.tie_word_embeddings else table * element)
@@ -93,12 +96,13 @@ def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _packed_params_unpacked(packed: list[Int4Weight]) -> int:
+def _packed_params_unpacked(packed: list[PackedWeight]) -> int:
     """What packing hides from a count of parameter elements: each packed weight holds rows x
     columns weights in fewer, wider elements, plus its scales (and any bfloat16 copy)."""
     hidden = 0
     for weight in packed:
-        hidden += weight.out_features * weight.in_features - sum(t.numel() for t in weight.tensors().values())
+        rows, columns = weight.shape
+        hidden += rows * columns - sum(t.numel() for t in weight.tensors().values())
     return hidden
 
 

@@ -84,7 +84,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         help="int4: the decoder's weights packed to 4-bit groups of 32 after loading (CPU; a GGUF stored "
-        "in Q4_1 keeps its own codes); default: the weights as loaded",
+        "in Q4_1 keeps its own codes); fp8: float8 e4m3 weights with a scale per output row, activations "
+        "quantized per token (float8 matmuls on CUDA); default: the weights as loaded",
     )
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--swap-space", type=float, default=None, help="accepted; preemption recomputes")

@@ -82,18 +82,23 @@ def _gemv_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    scale_ptr,
     N,
     K,
     stride_w,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[n] = sum_k w[n, k] * x[k] (+ bias[n]), float32 accumulation, for BLOCK_N rows per program."""
+    """out[n] = sum_k w[n, k] * x[k] (* scale[n]) (+ bias[n]), float32 accumulation, for
+    BLOCK_N rows per program. With HAS_SCALE the weight is float8 with a scale per row."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
     acc, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
@@ -171,16 +176,21 @@ _tuned_rotary_kernel = triton.autotune(configs=_CONFIGS, key=["PAIRS", "K"])(_ge
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: triton.Config | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: triton.Config | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N]. The launch configuration is autotuned
-    per shape unless given (tests, sweeps)."""
+    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N]; with `scale` [N] (float32), each row's
+    dot times its scale (a float8 weight). The launch configuration is autotuned per shape
+    unless given (tests, sweeps)."""
     n, k = _check_operands(x, weight)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    # Without a bias the kernel never reads its bias pointer; `out` stands in for it.
-    args = (x, weight, out if bias is None else bias, out, n, k, weight.stride(0))
-    _launch(_gemv_kernel, _tuned_gemv_kernel, n, config, args, HAS_BIAS=bias is not None)
+    # Without a bias or a scale the kernel never reads their pointers; `out` stands in.
+    args = (x, weight, out if bias is None else bias, out, out if scale is None else scale, n, k, weight.stride(0))
+    _launch(_gemv_kernel, _tuned_gemv_kernel, n, config, args, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None)
     return out
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from kestrel.core.parallel import TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.layers import ops
-from kestrel.layers.quantized import Int4Weight, quantize_int4, register_packed
+from kestrel.layers.quantized import INT4, PackedWeight, quantize_fp8, quantize_int4, register_packed
 
 
 class Linear(nn.Module):
@@ -24,15 +24,16 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight: nn.Parameter | Int4Weight = nn.Parameter(
+        self.weight: nn.Parameter | PackedWeight = nn.Parameter(
             torch.empty(out_features, in_features), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def quantize_int4(self) -> None:
-        """Pack the loaded weight to 4 bits; every op that takes `self.weight` dispatches on it.
-        The packed tensors stay registered as parameters, so what counts weight bytes sees them."""
-        packed = quantize_int4(self.weight)
+    def quantize(self, method: str) -> None:
+        """Pack the loaded weight ("int4" or "fp8"); every op that takes `self.weight`
+        dispatches on it. The packed tensors stay registered as parameters, so what counts
+        weight bytes sees them."""
+        packed = quantize_int4(self.weight) if method == INT4 else quantize_fp8(self.weight)
         del self.weight
         register_packed(self, "weight", packed)
         self.weight = packed

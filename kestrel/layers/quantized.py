@@ -1,4 +1,6 @@
-"""Weight-only quantized linears for the CPU: the decoder's projections kept as 4-bit integers
+"""Quantized linears, applied after loading (`--quantization`): `int4` and `fp8`.
+
+`int4` (the CPU): weight-only, the decoder's projections kept as 4-bit integers
 in groups of 32 along the input dim, each group with its own scale and zero
 (w = (q - 8) * scale + zero), as torch's `_weight_int4pack_mm_for_cpu` reads them.
 
@@ -16,6 +18,12 @@ Weights are quantized after loading, from the bound float weights (round to near
 group's minimum and maximum spanning 0..15: the GGUF Q4_1 recipe), so any checkpoint can be
 run this way. A GGUF checkpoint stored in Q4_1 comes back to its own 4-bit codes, since its
 dequantized groups already lie on such a grid; only the scales and zeros are rounded to bfloat16.
+
+`fp8` (vLLM's online FP8): each projection's weight in float8 e4m3 with a float32 scale per
+output row (its largest magnitude maps to 448), activations quantized per token at run
+time. On CUDA the matmuls run on the float8 tensor cores (layers/fp8_matmul.py); elsewhere
+the same arithmetic is emulated in the model's dtype (the reference path the CPU suite
+checks): activations rounded through e4m3 per row, times the dequantized weight.
 """
 
 from __future__ import annotations
@@ -68,7 +76,56 @@ class Int4Weight:
         return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros} | wide
 
 
-PackedWeight = Int4Weight  # the union of every packed format, as more come
+FP8 = "fp8"
+E4M3_MAX = 448.0
+FP8_MIN_SCALE = 1e-12  # a row of zeros still gets a usable scale
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A [out_features, in_features] weight as float8 e4m3 values and a float32 scale per row;
+    off CUDA also `reference`, the dequantized values in the model's dtype."""
+
+    values: torch.Tensor  # float8_e4m3fn [out, in]
+    scales: torch.Tensor  # float32 [out]
+    reference: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.is_cuda:
+            from kestrel.layers.fp8_matmul import fp8_linear
+
+            return fp8_linear(x, self.values, self.scales, bias)
+        return F.linear(round_rows_through_fp8(x), self.reference, bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        reference = {"reference": self.reference} if self.reference is not None else {}
+        return {"values": self.values, "scales": self.scales} | reference
+
+
+def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
+    """Per output row: scale = max|w| / 448, values = w / scale rounded to e4m3."""
+    rows = weight.detach().float()
+    scales = (rows.abs().amax(dim=1) / E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    values = (rows / scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    reference = None if weight.is_cuda else (values.float() * scales[:, None]).to(weight.dtype)
+    return Fp8Weight(values, scales, reference)
+
+
+def round_rows_through_fp8(x: torch.Tensor) -> torch.Tensor:
+    """What the float8 matmul multiplies for activations x [rows, K]: each row scaled to
+    e4m3's range, rounded to e4m3, scaled back (layers/fp8_matmul.quantize_rows)."""
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    rounded = (x32 / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return (rounded * scales).to(x.dtype)
+
+
+PackedWeight = Int4Weight | Fp8Weight  # the union of every packed format
+QUANTIZATIONS = (INT4, FP8)
 
 
 def register_packed(module: nn.Module, prefix: str, weight: PackedWeight) -> None:
@@ -132,15 +189,21 @@ def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
 
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace the float weight of every decoder projection (a `Linear` marked quantizable,
-    of a shape the kernel takes) by its packed 4-bit form; returns how many. Routers,
-    embeddings and the LM head stay as loaded."""
-    if method != INT4:
-        raise ValueError(f"unknown quantization {method!r}; supported: {INT4}")
+    of a shape the kernel takes) by its packed form; returns how many. Routers, embeddings,
+    experts and the LM head stay as loaded."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATIONS)}")
     from kestrel.layers.linear import Linear
 
+    takes = packable if method == INT4 else fp8_packable
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.quantizable and packable(module.out_features, module.in_features):
-            module.quantize_int4()
+        if isinstance(module, Linear) and module.quantizable and takes(module.out_features, module.in_features):
+            module.quantize(method)
             count += 1
     return count
+
+
+def fp8_packable(out_features: int, in_features: int) -> bool:
+    """The float8 matmul takes both dims in multiples of 16."""
+    return out_features % 16 == 0 and in_features % 16 == 0

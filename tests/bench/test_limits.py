@@ -90,3 +90,19 @@ def test_a_4_bit_model_reads_its_codes_at_one_row_and_its_bfloat16_copy_at_many(
     if packed[0].wide is not None:
         copy_bytes = sum(w.wide.numel() * 2 for w in packed)
         assert cost.weight_bytes(WIDE_MIN_ROWS) == floats.weight_bytes(1) - unpacked_bytes + copy_bytes
+
+
+def test_an_fp8_model_off_cuda_reads_its_dequantized_reference(checkpoint_dir):
+    """Off CUDA a float8 projection multiplies its dequantized copy: that copy, and the
+    per-row scales, are what a step reads, not the float8 values; parameters count once."""
+    from kestrel import LLM
+    from kestrel.layers.quantized import Fp8Weight
+
+    path = str(checkpoint_dir("llama"))
+    floats = ModelCost.of(LLM(path, page_size=8, max_num_seqs=2, quantization="none").engine.parts)
+    parts = LLM(path, page_size=8, max_num_seqs=2, quantization="fp8").engine.parts
+    cost = ModelCost.of(parts)
+    packed = [m.weight for m in parts.runner.model.modules() if isinstance(getattr(m, "weight", None), Fp8Weight)]
+    assert packed and cost.num_params == floats.num_params
+    scales_bytes = sum(w.scales.numel() * 4 for w in packed)
+    assert cost.weight_bytes(1) == floats.weight_bytes(1) + scales_bytes

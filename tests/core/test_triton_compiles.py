@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kestrel.core.attention import triton_kernels as attention
-from kestrel.layers import fused, fused_moe, gated_delta_kernels, gemv
+from kestrel.layers import fp8_matmul, fused, fused_moe, gated_delta_kernels, gemv
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED_MEMORY = 227 * 1024  # per program, at most
@@ -41,7 +41,21 @@ RECURRENT_STEP |= {"has_state_ptr": "*i1"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32")
 
 CASES = {
-    "gemv": (gemv._gemv_kernel, BF16_ROW, dict(HAS_BIAS=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048)),
+    "gemv": (
+        gemv._gemv_kernel,
+        BF16_ROW,
+        dict(HAS_BIAS=True, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+    ),
+    "gemv_float8": (
+        gemv._gemv_kernel,
+        BF16_ROW | {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+        dict(HAS_BIAS=False, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
+    ),
+    "quantize_rows_float8": (
+        fp8_matmul._quantize_rows_kernel,
+        {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+        dict(BLOCK_K=2048, DEPENDENT=True),
+    ),
     "gemv_silu_and_mul": (gemv._gemv_silu_and_mul_kernel, BF16_ROW, dict(DEPENDENT=True, BLOCK_N=1, BLOCK_K=4096)),
     "gemv_rotary": (
         gemv._gemv_rotary_kernel,

@@ -1,0 +1,73 @@
+"""Float8 matmuls on CUDA for weights quantized to e4m3 with a scale per output row.
+
+A step of many rows quantizes its activations per row (dynamic, per token: each row's
+largest magnitude maps to e4m3's largest value, 448) in one Triton launch, then multiplies
+on the float8 tensor cores through `torch._scaled_mm` (cuBLASLt / CUTLASS with row-wise
+scales): out = (x_q * x_scale) @ (w_q * w_scale).T. A one-row step is a pure weight read, so
+it takes the Triton matvec over the float8 weight with bf16 activations (layers/gemv.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+from kestrel.layers import gemv
+
+E4M3_MAX = tl.constexpr(448.0)
+# A row of zeros still gets a usable scale (its values quantize to zero either way).
+MIN_SCALE = tl.constexpr(1e-12)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr
+):
+    """One row: scale = max|x| / 448, out = x / scale in e4m3 (round to nearest)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_K)
+    wait_for_inputs(DEPENDENT)
+    largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
+        largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(largest, axis=0) / E4M3_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
+        quantized = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
+        tl.store(
+            out_ptr + row * stride_out + start + cols, quantized.to(out_ptr.dtype.element_ty), mask=start + cols < K
+        )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (e4m3 values [rows, K], float32 scales [rows, 1]), one launch."""
+    rows, k = x.shape
+    values = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](
+            x,
+            values,
+            scales,
+            k,
+            x.stride(0),
+            values.stride(0),
+            BLOCK_K=min(2048, triton.next_power_of_2(k)),
+            **dependent_launch_args(x.device),
+        )
+    return values, scales
+
+
+def fp8_linear(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [rows, K] (bf16 or fp16) @ (values * scales[:, None]).T (+ bias), in x's dtype."""
+    if x.shape[0] == 1:
+        return gemv.gemv(x, values, bias, scale=scales)
+    quantized, row_scales = quantize_rows(x)
+    out = torch._scaled_mm(quantized, values.t(), scale_a=row_scales, scale_b=scales.view(1, -1), out_dtype=x.dtype)
+    return out if bias is None else out + bias

@@ -1,0 +1,90 @@
+"""Online FP8 (`quantization="fp8"`, layers/quantized.py and layers/fp8_matmul.py): e4m3
+weights with a scale per row, activations per token; the CPU's reference path, the one-row
+float8 matvec (Triton's interpreter on the CPU), and on a GPU the float8 matmul against it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+
+from kestrel.layers.linear import ColumnParallelLinear, ShardSlice
+from kestrel.layers.quantized import Fp8Weight, quantize_fp8, quantize_linears, round_rows_through_fp8
+
+E4M3_STEP = 2**-3  # e4m3 keeps 3 mantissa bits: a value moves by at most half of 1/8 of itself
+CUDA = torch.cuda.is_available()
+TRITON = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_each_row_is_scaled_so_its_largest_value_is_e4m3s_largest():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64) * torch.logspace(-3, 1, 32)[:, None]  # rows of very different sizes
+    packed = quantize_fp8(weight)
+    assert packed.values.dtype == torch.float8_e4m3fn and packed.scales.shape == (32,)
+    assert torch.equal(packed.values.float().abs().amax(dim=1), torch.full((32,), 448.0))
+    error = (packed.reference - weight).abs()
+    # Each value moves by at most half a step of its own binade (or of the smallest normal).
+    assert (error <= weight.abs() * E4M3_STEP / 2 + packed.scales[:, None] * 2**-10).all()
+
+
+def test_activations_round_through_e4m3_per_row():
+    x = torch.tensor([[1.0, -3.0, 447.0 / 448.0 * 3.0], [0.0, 0.0, 0.0]])
+    rounded = round_rows_through_fp8(x)
+    assert torch.equal(rounded[1], x[1])  # a zero row stays zero (its scale is clamped, not 0)
+    assert rounded[0, 1].item() == -3.0  # the row's largest magnitude maps to 448 exactly
+    torch.testing.assert_close(rounded[0], x[0], atol=0, rtol=E4M3_STEP / 2)
+
+
+def test_the_reference_path_is_the_rounded_activations_times_the_dequantized_weight():
+    torch.manual_seed(1)
+    weight, x = torch.randn(48, 64), torch.randn(3, 64)
+    packed = quantize_fp8(weight)
+    expected = round_rows_through_fp8(x) @ (packed.values.float() * packed.scales[:, None]).t()
+    torch.testing.assert_close(packed.linear(x), expected, atol=1e-5, rtol=1e-5)
+    # And the quantization's own error against float32, for scale: a few percent of an output.
+    assert (packed.linear(x) - x @ weight.t()).abs().max() < 0.1 * (x @ weight.t()).abs().max()
+
+
+def test_quantize_linears_packs_the_projections_in_float8():
+    layer = ColumnParallelLinear(64, {"q": ShardSlice.whole(32), "k": ShardSlice.whole(16)})
+    layer.quantizable = True
+    layer.weight.data.normal_()
+    original = layer.weight.detach().clone()
+    model = torch.nn.Sequential(layer)
+    assert quantize_linears(model, "fp8") == 1
+    assert isinstance(layer.weight, Fp8Weight)
+    x = torch.randn(2, 64)
+    exact = x @ original.t()
+    assert (layer(x) - exact).abs().max() < 0.1 * exact.abs().max()
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())  # counted as weight bytes
+
+
+@pytest.mark.skipif(not TRITON, reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
+def test_the_one_row_matvec_reads_float8_rows_times_their_scales():
+    from kestrel.layers.gemv import gemv
+
+    torch.manual_seed(2)
+    device = "cuda" if CUDA else "cpu"
+    packed = quantize_fp8(torch.randn(40, 300))
+    values, scales = packed.values.to(device), packed.scales.to(device)
+    x = torch.randn(1, 300, device=device, dtype=torch.bfloat16 if CUDA else torch.float32)
+    config = triton.Config({"BLOCK_N": 2, "BLOCK_K": 128}, num_warps=4)
+    got = gemv(x, values, None, config, scale=scales)
+    expected = x.float() @ (values.float() * scales[:, None]).t()
+    torch.testing.assert_close(got.float(), expected, atol=2e-2 if CUDA else 1e-5, rtol=1e-2 if CUDA else 1e-5)
+
+
+@pytest.mark.skipif(
+    not CUDA, reason="float8 matmuls need CUDA (Triton's interpreter drops the exponent carry of e4m3 rounding)"
+)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_float8_matmul_matches_the_reference_path(rows):
+    torch.manual_seed(3)
+    weight, x = torch.randn(256, 512), torch.randn(rows, 512)
+    reference = quantize_fp8(weight).linear(x.bfloat16().float())  # the CPU's emulation
+    packed = quantize_fp8(weight.cuda())
+    got = packed.linear(x.cuda().bfloat16()).float().cpu()
+    # bf16 output rounding and accumulation order; at one row the activations stay bf16.
+    torch.testing.assert_close(got, reference, atol=0.1, rtol=0.05)
