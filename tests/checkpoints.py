@@ -39,6 +39,7 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -92,6 +93,22 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
             query_pre_attn_scalar=24,
             architectures=["Gemma3ForCausalLM"],
         ),
+        # Phi-4-mini's shape: LongRoPE (every test prompt inside the pretraining length of 512,
+        # where the short factors apply on both sides) on half of each head, tied embeddings.
+        "phi3": Phi3Config(
+            **base,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.2, 1.6, 2.5],
+                "long_factor": [1.0, 3.0, 6.0, 12.0],
+                "original_max_position_embeddings": 512,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
     }
 
 
@@ -106,6 +123,7 @@ FAMILIES = (
     "qwen3-next",
     "qwen3.5",
     "gemma3",
+    "phi3",
 )
 HYBRID_FAMILIES = ("qwen3-next", "qwen3.5")
 

@@ -133,3 +133,24 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.parallel.all_reduce(ops.linear(x, self.weight, use_gemv=self.use_gemv))
         return out if self.bias is None else out + self.bias
+
+
+class FusedColumnLinear(ColumnParallelLinear):
+    """A column-parallel layer whose checkpoint holds every part in one tensor, each whole,
+    one after another (Phi-3's qkv_proj and gate_up_proj): the tensor is cut at the parts'
+    full sizes and each part loaded as its own shard (this rank's rows of it)."""
+
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset({None})
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        if shard_id is not None:
+            raise WeightBindingError(f"a fused projection takes one checkpoint tensor, not shard {shard_id!r}")
+        totals = [shard.total for shard in self.shards.values()]
+        if tensor.shape[0] != sum(totals):
+            raise WeightBindingError(
+                f"shape mismatch for a fused projection of parts {list(self.shards)}: expected {sum(totals)} rows, "
+                f"got {tuple(tensor.shape)}"
+            )
+        for name, part in zip(self.shards, tensor.split(totals)):
+            super().load_shard(param, part, name)

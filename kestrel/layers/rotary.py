@@ -1,4 +1,14 @@
-"""Rotary position embedding (rotate-half layout), with linear and llama3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout), with linear, llama3 and longrope frequency
+scaling.
+
+LongRoPE (Phi-3, Phi-4) divides each frequency by a per-dimension factor, the "short" ones
+for positions inside the pretraining length and the "long" ones past it, and scales cos and
+sin by an attention factor. Here each position takes the factors of its own side of that
+length, so a cached key never depends on how long its sequence grew later (what a prefix
+cache needs). Hugging Face instead rotates a whole forward pass with the long factors once
+any of its positions is past the length: decoding past it gives the same rotations, but a
+single prompt longer than it is rotated with the long factors from its first token.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +22,23 @@ import torch
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
-    scaling: str = "default"  # "default" | "linear" | "llama3"
+    scaling: str = "default"  # "default" | "linear" | "llama3" | "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: per frequency, inside original_max_position
+    long_factor: tuple[float, ...] = ()  # longrope: per frequency, past it
+    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
 
 
 @lru_cache(maxsize=16)
-def inverse_frequencies(rope: RopeSpec, rotary_dim: int, device: torch.device) -> torch.Tensor:
+def inverse_frequencies(rope: RopeSpec, rotary_dim: int, device: torch.device, long: bool = False) -> torch.Tensor:
+    """The rotary frequencies; for longrope, divided by the short factors (or the long ones)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if rope.scaling == "longrope":
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return (1.0 / (factors * rope.theta**exponents)).to(device)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.scaling == "linear":
         inv_freq = inv_freq / rope.factor
@@ -49,6 +66,12 @@ def rotary_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [tokens, rotary_dim] for the given positions, computed once per step."""
     inv_freq = inverse_frequencies(rope, rotary_dim, positions.device)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    if rope.scaling == "longrope":
+        long = inverse_frequencies(rope, rotary_dim, positions.device, long=True)
+        past = (positions >= rope.original_max_position)[:, None]
+        inv_freq = torch.where(past, long[None, :], inv_freq[None, :])
+    freqs = positions.float()[:, None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
+    if rope.attention_factor != 1.0:
+        return (angles.cos() * rope.attention_factor).to(dtype), (angles.sin() * rope.attention_factor).to(dtype)
     return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,7 +14,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
-from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice
+from kestrel.layers.linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RopeSpec, rotary_cos_sin
@@ -52,6 +54,11 @@ def attention_layer_spec(spec: DecoderSpec, parallel: TensorParallel, index: int
     return layer.for_rank(parallel)
 
 
+def column_linear(spec: DecoderSpec) -> type[ColumnParallelLinear]:
+    """The class of a stacked projection: one checkpoint tensor per part, or all in one."""
+    return FusedColumnLinear if spec.fused_projections else ColumnParallelLinear
+
+
 class DecoderAttention(nn.Module):
     def __init__(
         self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel, norm: type[RMSNorm] = RMSNorm
@@ -60,7 +67,7 @@ class DecoderAttention(nn.Module):
         self.layer_index = layer_index
         self.layer_spec = attention_layer_spec(spec, parallel, layer_index)
         shards = attention_shards(spec, parallel)
-        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, shards, bias=spec.attention_bias)
+        self.qkv_proj = column_linear(spec)(spec.hidden_size, shards, bias=spec.attention_bias)
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, parallel)
         self.q_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -101,7 +108,7 @@ class DecoderMLP(nn.Module):
         super().__init__()
         width = intermediate_size or spec.intermediate_size
         rows = rank_slice(parallel, width, "intermediate_size")
-        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, {"gate": rows, "up": rows})
+        self.gate_up_proj = column_linear(spec)(spec.hidden_size, {"gate": rows, "up": rows})
         self.down_proj = RowParallelLinear(width, spec.hidden_size, parallel)
         if spec.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {spec.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
@@ -232,17 +239,24 @@ def decoder_bindings(
 
 def read_rope(hf_config: object, allow_partial: bool = False) -> RopeSpec:
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    return rope_from_parameters(params, getattr(hf_config, "rope_theta", 10000.0), allow_partial)
+    max_position = getattr(hf_config, "max_position_embeddings", None)
+    if getattr(hf_config, "original_max_position_embeddings", None) is not None:
+        params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
+    return rope_from_parameters(params, getattr(hf_config, "rope_theta", 10000.0), allow_partial, max_position)
 
 
-def rope_from_parameters(params: dict, default_theta: float, allow_partial: bool = False) -> RopeSpec:
+def rope_from_parameters(
+    params: dict, default_theta: float, allow_partial: bool = False, max_position: int | None = None
+) -> RopeSpec:
     """A RopeSpec from transformers' rope parameters (`rope_type`, `rope_theta`, scaling fields)."""
     theta = params.get("rope_theta", default_theta)
     scaling = params.get("rope_type", params.get("type", "default"))
-    if scaling not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling {scaling!r}; supported: default, linear, llama3")
+    if scaling not in ("default", "linear", "llama3", "longrope"):
+        raise ValueError(f"unsupported rope scaling {scaling!r}; supported: default, linear, llama3, longrope")
     if params.get("partial_rotary_factor", 1.0) != 1.0 and not allow_partial:
         raise ValueError("partial rotary embeddings are not supported by the dense decoder")
+    if scaling == "longrope":
+        return longrope(params, float(theta), max_position)
     return RopeSpec(
         theta=float(theta),
         scaling=scaling,
@@ -250,6 +264,26 @@ def rope_from_parameters(params: dict, default_theta: float, allow_partial: bool
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def longrope(params: dict, theta: float, max_position: int | None) -> RopeSpec:
+    """LongRoPE as transformers computes it: the factor is the context's growth over the
+    pretraining length unless given, and cos and sin scale by sqrt(1 + ln(factor) / ln(that
+    length)) unless an attention factor is given."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or (max_position or original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeSpec(
+        theta=theta,
+        scaling="longrope",
+        factor=float(factor),
+        original_max_position=original,
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        long_factor=tuple(float(f) for f in params["long_factor"]),
+        attention_factor=float(attention_factor),
     )
 
 

@@ -5,6 +5,33 @@ from __future__ import annotations
 from typing import Any
 
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    # LongRoPE on three quarters of each head (its 48 factors here a placeholder ramp: the
+    # weights are random anyway), tied embeddings, a 200k vocabulary.
+    "phi-4-mini": dict(
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        vocab_size=200064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 48,
+            "long_factor": [1.0 + i / 2 for i in range(48)],
+            "original_max_position_embeddings": 4096,
+            "partial_rotary_factor": 0.75,
+        },
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        pad_token_id=199999,
+        eos_token_id=199999,
+        bos_token_id=199999,
+    ),
     # Five 1,024-token window layers to each global one; the global rope is linearly scaled.
     "gemma-3-12b": dict(
         architectures=["Gemma3ForCausalLM"],

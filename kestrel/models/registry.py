@@ -11,6 +11,7 @@ _RECIPES: dict[str, str] = {
     "LlamaForCausalLM": "kestrel.models.llama:LlamaRecipe",
     "MistralForCausalLM": "kestrel.models.mistral:MistralRecipe",
     "MixtralForCausalLM": "kestrel.models.mixtral:MixtralRecipe",
+    "Phi3ForCausalLM": "kestrel.models.phi3:Phi3Recipe",
     "Qwen2ForCausalLM": "kestrel.models.qwen2:Qwen2Recipe",
     "Qwen3ForCausalLM": "kestrel.models.qwen3:Qwen3Recipe",
     "Qwen3MoeForCausalLM": "kestrel.models.qwen3_moe:Qwen3MoeRecipe",

@@ -83,6 +83,7 @@ class DecoderSpec(ModelSpec):
     attention_output_gate: bool = False  # Qwen3-Next: sigmoid gate on the attention output
     attention_scale: float | None = None  # the scores' scale where not head_dim ** -0.5 (Gemma)
     local_rope: RopeSpec | None = None  # sliding-window layers' own rope, where it differs (Gemma 3)
+    fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj whole (Phi-3)
 
     def __post_init__(self) -> None:
         if not self.layers:
