@@ -79,12 +79,17 @@ class SparseMoe(nn.Module):
         """Top-k experts per token and their weights (softmax in float32, as HF does); with
         `shared_logits` [tokens, 1], the always-on expert after them, weighted by their
         sigmoid. One kernel on CUDA."""
-        logits = self.gate(hidden)
+        return self.pick(self.gate(hidden), hidden.dtype, shared_logits)
+
+    def pick(
+        self, logits: torch.Tensor, dtype: torch.dtype, shared_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` from the router's logits [tokens, experts] (any row stride)."""
         if logits.is_cuda:
             from kestrel.layers.fused_moe import route
 
-            return route(logits, self.top_k, self.renormalize, hidden.dtype, shared_logits)
-        return self.route_reference(logits, hidden.dtype, shared_logits)
+            return route(logits, self.top_k, self.renormalize, dtype, shared_logits)
+        return self.route_reference(logits, dtype, shared_logits)
 
     def route_reference(
         self, logits: torch.Tensor, dtype: torch.dtype, shared_logits: torch.Tensor | None = None

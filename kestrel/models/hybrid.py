@@ -28,7 +28,7 @@ from kestrel.layers.gated_delta import (
     recurrent_gated_delta,
 )
 from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_varlen
-from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice, copy_into
+from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice, copy_into
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import OffsetRMSNorm, RMSNorm
 from kestrel.models.dense import (
@@ -331,6 +331,8 @@ class SharedExpertMoe(SparseMoe):
     Where the shared expert has the routed experts' width (Qwen3-Next, Qwen3.5-MoE) it is
     stacked after them as expert `num_experts`, which every token chooses with its gate as
     the weight: one fused MoE computes both, with no separate matmuls for the shared expert.
+    The shared expert's gate is one more row of the router (checkpoint shard "shared" of
+    `gate`), so one matvec gives every logit.
     """
 
     def __init__(self, spec: DecoderSpec, parallel: TensorParallel) -> None:
@@ -339,14 +341,22 @@ class SharedExpertMoe(SparseMoe):
         super().__init__(*args, parallel, num_stacked=spec.moe.num_experts + 1 if stacked else None)
         if not stacked:
             self.shared_expert = DecoderMLP(spec, parallel, spec.shared_expert_size)
-        self.shared_expert_gate = Linear(spec.hidden_size, 1)
+        rows = {None: ShardSlice.whole(self.num_experts), "shared": ShardSlice.whole(1)}
+        self.gate = ColumnParallelLinear(spec.hidden_size, rows, quantizable=False)  # replicated
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        shared_logits = self.shared_expert_gate(hidden)
+        logits = self.gate(hidden)
+        routed, shared_logits = logits[:, : self.num_experts], logits[:, self.num_experts :]
         if self.num_stacked == self.num_experts:
-            routed = self.mix_experts(hidden, *self.route(hidden))
-            return routed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
-        return self.mix_experts(hidden, *self.route(hidden, shared_logits))
+            mixed = self.mix_experts(hidden, *self.pick(routed, hidden.dtype))
+            return mixed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
+        return self.mix_experts(hidden, *self.pick(routed, hidden.dtype, shared_logits))
+
+    def route(
+        self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' choices (the router's rows before the shared gate's)."""
+        return self.pick(self.gate(hidden)[:, : self.num_experts], hidden.dtype, shared_logits)
 
 
 class HybridDecoderLayer(ResidualBlock):

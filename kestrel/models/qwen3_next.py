@@ -84,6 +84,8 @@ class Qwen3NextRecipe(HybridRecipe):
             return ()
         names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
         mappings = expert_mappings(spec.moe.num_experts, "mlp", names)
+        if spec.shared_expert_size:  # the shared expert's gate is the router's last row
+            mappings.append(PackedMapping("shared_expert_gate", "gate", "shared"))
         if spec.stacks_shared_expert:  # the shared expert is stacked last (SharedExpertMoe)
             shared = spec.moe.num_experts
             for name, part in names.items():

@@ -36,5 +36,6 @@ def test_shared_expert_adds_its_gated_output_to_the_routed_sum(shared_width, sta
     weights, experts = moe.route(hidden)
     gate, up, down = shared_expert_weights(moe)
     shared = (F.silu(hidden @ gate.T) * (hidden @ up.T)) @ down.T
-    expected = moe.grouped(hidden, weights, experts) + torch.sigmoid(moe.shared_expert_gate(hidden)) * shared
+    shared_gate = moe.gate.weight[moe.num_experts :]  # the router's last row
+    expected = moe.grouped(hidden, weights, experts) + torch.sigmoid(hidden @ shared_gate.T) * shared
     torch.testing.assert_close(moe(hidden), expected, atol=1e-5, rtol=1e-5)
