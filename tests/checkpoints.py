@@ -215,3 +215,101 @@ def write_fp8_checkpoint(source: Path, directory: Path, block: tuple[int, int] =
     }
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def pack_columns(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """codes [rows, n] -> int32 [rows, n / pack]: element i of each int32 (bits i*bits..) holds
+    column order[i] of its group of `pack` (AutoAWQ's and AutoGPTQ's packing loops)."""
+    pack = 32 // bits
+    grouped = codes.reshape(codes.shape[0], -1, pack).long()
+    if order is not None:
+        grouped = grouped[:, :, list(order)]
+    shifts = torch.arange(0, 32, bits)
+    packed = (grouped << shifts).sum(dim=-1)  # disjoint bits: the sum is the bitwise or
+    return (packed - (packed >= 2**31).long() * 2**32).to(torch.int32)  # as two's complement int32
+
+
+def quantize_packed(
+    weight: torch.Tensor, group_size: int, bits: int, symmetric: bool, groups_of: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest codes [in, out], integer zeros and float16 scales [groups, out] of a
+    weight [out, in], each input column in group groups_of[column] (contiguous, or act-order)."""
+    levels = 2**bits - 1
+    w = weight.float().t()  # [in, out]
+    groups = int(groups_of.max()) + 1
+    scales, zeros = torch.empty(groups, w.shape[1]), torch.empty(groups, w.shape[1])
+    for g in range(groups):
+        rows = w[groups_of == g]
+        if symmetric:  # GPTQ's sym: zero at the middle code
+            scales[g] = (rows.abs().amax(0) / (levels // 2)).clamp(min=1e-6)
+            zeros[g] = (levels + 1) // 2
+        else:
+            low, high = rows.amin(0), rows.amax(0)
+            scales[g] = ((high - low) / levels).clamp(min=1e-6)
+            zeros[g] = (-low / scales[g]).round().clamp(0, levels)
+    scales = scales.half()
+    scale, zero = scales.float()[groups_of], zeros[groups_of]
+    codes = (w / scale + zero).round().clamp(0, levels).long()
+    return codes, zeros.long(), scales
+
+
+def write_packed_int_checkpoint(
+    source: Path, directory: Path, reference: Path, method: str, group_size: int = 32, act_order: bool = False
+) -> Path:
+    """A copy of a checkpoint with every decoder projection packed as AWQ ("gemm", 4 bits,
+    asymmetric) or GPTQ (AutoGPTQ's v1 format, 4 bits, symmetric; with `act_order`, columns
+    in shuffled groups named by g_idx) store it; and, at `reference`, the same checkpoint with
+    the float weights those codes mean: what loading the packed one must give exactly."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kestrel.weights.packed_ints import AWQ_ORDER
+
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    shutil.copytree(source, reference, dirs_exist_ok=True)
+    generator = torch.Generator().manual_seed(7)
+    for path in sorted(directory.glob("*.safetensors")):
+        packed, floats = {}, {}
+        for name, tensor in load_file(path).items():
+            if not (name.startswith("model.layers.") and name.endswith("proj.weight") and tensor.dim() == 2):
+                packed[name] = floats[name] = tensor
+                continue
+            columns = tensor.shape[1]
+            groups_of = torch.arange(columns) // group_size
+            if act_order:
+                groups_of = groups_of[torch.randperm(columns, generator=generator)]
+            codes, zeros, scales = quantize_packed(tensor, group_size, 4, method == "gptq", groups_of)
+            module = name.removesuffix(".weight")
+            if method == "awq":
+                packed[f"{module}.qweight"] = pack_columns(codes, 4, AWQ_ORDER)
+                packed[f"{module}.qzeros"] = pack_columns(zeros, 4, AWQ_ORDER)
+            else:  # codes packed along the input dim; zeros stored one below
+                packed[f"{module}.qweight"] = pack_columns(codes.t(), 4).t().contiguous()
+                packed[f"{module}.qzeros"] = pack_columns(zeros - 1, 4)
+                packed[f"{module}.g_idx"] = groups_of.to(torch.int32)
+            packed[f"{module}.scales"] = scales
+            floats[name] = ((codes - zeros[groups_of]) * scales.float()[groups_of]).t().contiguous()
+        save_file(packed, path, metadata={"format": "pt"})
+        save_file(floats, reference / path.name, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    if method == "awq":
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "version": "gemm",
+            "zero_point": True,
+        }
+    else:
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": act_order,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

@@ -110,5 +110,5 @@ def test_a_copied_vllm_serve_line_starts_and_its_flags_work(checkpoint_dir):
         assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "first-name"
     finally:
         server.stop()
-    quantized = kestrel("serve", str(checkpoint_dir("qwen3")), "--port", "0", "--quantization", "awq")
-    assert quantized.returncode == 2 and "quantization='awq' is not supported yet" in quantized.stderr
+    quantized = kestrel("serve", str(checkpoint_dir("qwen3")), "--port", "0", "--quantization", "marlin")
+    assert quantized.returncode == 2 and "quantization='marlin' is not supported yet" in quantized.stderr

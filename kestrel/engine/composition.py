@@ -113,9 +113,31 @@ def resolve_quantization(name: str | None, checkpoint: Checkpoint | None, runtim
                 "%s stores %s weights; --quantization %s keeps them so (faster decode)", checkpoint.path, stored, stored
             )
         return None
+    if name in CHECKPOINT_METHODS:  # vLLM's way of naming the checkpoint's own method
+        stored = checkpoint_quant_method(checkpoint)
+        if stored != name:
+            where = checkpoint.path if checkpoint is not None else "load_format='dummy'"
+            raise ValueError(
+                f"quantization={name!r} names the checkpoint's own method, but {where} stores "
+                f"{repr(stored) + ' weights' if stored else 'unquantized weights'}"
+            )
+        return None
     if name == INT4 and runtime.name != "cpu":
         raise ValueError(f"quantization={name!r} runs on the CPU only (torch's 4-bit CPU kernel); use device='cpu'")
     return name
+
+
+# Methods a checkpoint stores (loaded dequantized); `quantization=` may name them, as vLLM allows.
+CHECKPOINT_METHODS = ("awq", "gptq")
+
+
+def checkpoint_quant_method(checkpoint: Checkpoint | None) -> str | None:
+    """The `quant_method` a Hugging Face checkpoint's config declares, or None."""
+    config = getattr(checkpoint.hf_config(), "quantization_config", None) if checkpoint is not None else None
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    return str(getattr(method, "value", method)).lower() if method else None
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

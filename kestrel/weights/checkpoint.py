@@ -12,6 +12,7 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import ExitStack
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,17 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kestrel.weights.fp8 import Fp8Config, dequantized_tensors
+from kestrel.weights.fp8 import Fp8CheckpointError, Fp8Config
+from kestrel.weights.fp8 import dequantized_tensors as fp8_dequantized
+from kestrel.weights.packed_ints import PackedIntCheckpointError, PackedIntConfig
+from kestrel.weights.packed_ints import dequantized_tensors as packed_dequantized
 
 logger = logging.getLogger("kestrel")
 
 INDEX_FILE = "model.safetensors.index.json"
 # Any of these makes a directory's tokenizer loadable; with none, the engine takes token ids.
+# quant_method -> how its config is read; the tensors are dequantized at load.
+STORED_QUANTIZATIONS = {"fp8": Fp8Config, "awq": PackedIntConfig, "gptq": PackedIntConfig}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
@@ -86,19 +92,23 @@ class SafetensorsCheckpoint(Checkpoint):
             config = AutoConfig.from_pretrained(self.path)
         except (ValueError, KeyError) as error:
             raise ValueError(f"cannot read {self.path / 'config.json'}: {error}") from None
-        self._fp8 = None
+        self._stored = None
         quantization = getattr(config, "quantization_config", None)
         if quantization:
             if not isinstance(quantization, dict):
                 quantization = quantization.to_dict()
-            method = quantization.get("quant_method", "unknown")
-            if method != "fp8":
+            method = str(quantization.get("quant_method", "unknown")).lower()
+            if method not in STORED_QUANTIZATIONS:
                 raise UnsupportedQuantizationError(
-                    f"{self.path}: quantization method {method!r} is not supported yet (supported: 'fp8'); "
-                    "load an fp8 or an unquantized (bf16/fp16/fp32) checkpoint"
+                    f"{self.path}: quantization method {method!r} is not supported yet (supported: "
+                    f"{', '.join(repr(m) for m in STORED_QUANTIZATIONS)}); load one of those or an unquantized "
+                    "(bf16/fp16/fp32) checkpoint"
                 )
-            self._fp8 = Fp8Config.from_quantization_config(quantization)
-            logger.info("%s stores FP8 weights: dequantized at load (float8 matmuls are not used yet)", self.path)
+            try:
+                self._stored = STORED_QUANTIZATIONS[method].from_quantization_config(quantization)
+            except (Fp8CheckpointError, PackedIntCheckpointError) as error:
+                raise UnsupportedQuantizationError(f"{self.path}: {error}") from None
+            logger.info("%s stores %s weights: dequantized at load", self.path, method.upper())
         return config
 
     def hf_config(self) -> Any:
@@ -122,15 +132,21 @@ class SafetensorsCheckpoint(Checkpoint):
         return files
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        fp8 = self._fp8 if self._config is not None else None  # reading the config finds it
-        for path in self.files():
-            with safe_open(str(path), framework="pt", device="cpu") as shard:
-                names = list(shard.keys())
-                if fp8 is None:
+        stored = self._stored if self._config is not None else None  # reading the config finds it
+        if stored is None:
+            for path in self.files():
+                with safe_open(str(path), framework="pt", device="cpu") as shard:
+                    names = list(shard.keys())  # a safetensors handle is not a mapping
                     for name in names:
                         yield name, shard.get_tensor(name)
-                else:  # a layer's scales sit in its weight's shard, as the FP8 releases write them
-                    yield from dequantized_tensors(names, shard.get_tensor, fp8)
+            return
+        # A layer's pieces (weight and scales, or codes, zeros and scales) may sit in different
+        # shards: every shard stays open and each tensor is read from wherever it is.
+        with ExitStack() as stack:
+            shards = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu")) for path in self.files()]
+            where = {name: shard for shard in shards for name in list(shard.keys())}
+            transform = fp8_dequantized if isinstance(stored, Fp8Config) else packed_dequantized
+            yield from transform(list(where), lambda name: where[name].get_tensor(name), stored)
 
     def tokenizer(self) -> Any | None:
         if not any((self.path / name).exists() for name in TOKENIZER_FILES):

@@ -71,9 +71,9 @@ def test_quantized_checkpoint_names_the_method(checkpoint_dir, tmp_path):
     quantized = tmp_path / "quantized"
     shutil.copytree(checkpoint_dir("llama"), quantized)
     config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedQuantizationError, match="quantization method 'awq' is not supported yet"):
+    with pytest.raises(UnsupportedQuantizationError, match="quantization method 'bitsandbytes' is not supported yet"):
         LLM(str(quantized))
 
 

@@ -24,7 +24,9 @@ def test_vllm_arguments_map_warn_or_refuse(checkpoint_dir, caplog):
     assert llm.engine.parts.kv.spec.page_size == 8
     warned = caplog.text
     assert "trust_remote_code=True has no effect" in warned and "swap_space=4 has no effect" in warned
-    with pytest.raises(ValueError, match="quantization='awq' is not supported yet"):
+    with pytest.raises(ValueError, match="quantization='marlin' is not supported yet"):
+        LLM(path, quantization="marlin")
+    with pytest.raises(ValueError, match="quantization='awq' names the checkpoint's own method, but .* unquantized"):
         LLM(path, quantization="awq")
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported yet"):
         LLM(path, pipeline_parallel_size=2)
