@@ -30,6 +30,9 @@ import triton.language as tl
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 from kestrel.layers.gemv import row_dots
 
+# Per-row float32 scales of w13 and w2 where the experts are float8, else None.
+ExpertScales = tuple[torch.Tensor | None, torch.Tensor | None]
+
 
 @dataclass(frozen=True)
 class MoeLaunch:
@@ -146,6 +149,7 @@ def grouped_matmul_kernel(
     row_ids_ptr,
     block_experts_ptr,
     weights_ptr,
+    scales_ptr,
     num_rows,
     n,
     k,
@@ -153,10 +157,12 @@ def grouped_matmul_kernel(
     stride_b_expert,
     stride_b_n,
     stride_c,
+    stride_scales,
     A_ROW_DIVISOR: tl.constexpr,
     SCALE_BY_WEIGHT: tl.constexpr,
     ONE_ROW_BLOCKS: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -167,7 +173,9 @@ def grouped_matmul_kernel(
     expert, as a linear layer's weight), optionally times weights[row]. With ONE_ROW_BLOCKS,
     block i is row i alone and block_experts its routed experts, flat; no row ids. With
     SILU_AND_MUL, B holds 2n rows (gate, then up) and C[row] = silu(gate) * up, from float32
-    accumulators, so the gate and up products never go to memory."""
+    accumulators, so the gate and up products never go to memory. With HAS_SCALE, B is float8
+    with a scale per (expert, row): its tiles are widened to A's dtype in registers and each
+    product column multiplied by its row's scale."""
     wait_for_inputs(DEPENDENT)
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -188,11 +196,16 @@ def grouped_matmul_kernel(
         in_k = start + offs_k < k
         a = tl.load(a_rows + (start + offs_k)[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
         b_mask = in_k[:, None] & (offs_n < n)[None, :]
-        b = tl.load(b_cols + (start + offs_k)[:, None], mask=b_mask, other=0.0)
+        b = tl.load(b_cols + (start + offs_k)[:, None], mask=b_mask, other=0.0).to(a.dtype)
         acc += tl.dot(a, b, input_precision=PRECISION)
         if SILU_AND_MUL:
             b_up = tl.load(b_cols + n * stride_b_n + (start + offs_k)[:, None], mask=b_mask, other=0.0)
-            up += tl.dot(a, b_up, input_precision=PRECISION)
+            up += tl.dot(a, b_up.to(a.dtype), input_precision=PRECISION)
+    if HAS_SCALE:
+        row_scales = scales_ptr + expert.to(tl.int64) * stride_scales + offs_n
+        acc *= tl.load(row_scales, mask=offs_n < n, other=0.0)[None, :]
+        if SILU_AND_MUL:
+            up *= tl.load(row_scales + n, mask=offs_n < n, other=0.0)[None, :]
     if SILU_AND_MUL:
         acc = acc * tl.sigmoid(acc) * up
     if SCALE_BY_WEIGHT:
@@ -355,9 +368,11 @@ def _grouped_matmul(
     launch: MoeLaunch,
     routing_weights: torch.Tensor | None = None,
     silu_and_mul: bool = False,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One launch over every block; `row_ids` None: each row is a block of its own.
-    `silu_and_mul`: the weight's rows are gate then up, and the output is silu(gate) * up."""
+    `silu_and_mul`: the weight's rows are gate then up, and the output is silu(gate) * up.
+    `scales` [experts, rows]: the weight is float8, each row times its scale."""
     n, k = weight.shape[1] // (2 if silu_and_mul else 1), weight.shape[2]
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
     grid = (block_experts.numel(), triton.cdiv(n, launch.block_n))
@@ -368,6 +383,7 @@ def _grouped_matmul(
         row_ids if row_ids is not None else block_experts,
         block_experts,
         routing_weights if routing_weights is not None else out,
+        scales if scales is not None else out,
         num_rows,
         n,
         k,
@@ -375,7 +391,9 @@ def _grouped_matmul(
         weight.stride(0),
         weight.stride(1),
         out.stride(0),
+        0 if scales is None else scales.stride(0),
         A_ROW_DIVISOR=a_row_divisor,
+        HAS_SCALE=scales is not None,
         SCALE_BY_WEIGHT=routing_weights is not None,
         ONE_ROW_BLOCKS=row_ids is None,
         SILU_AND_MUL=silu_and_mul,
@@ -395,6 +413,7 @@ def _grouped_matmul(
 def _expert_gate_up_kernel(
     x_ptr,
     w13_ptr,
+    scales_ptr,
     experts_ptr,
     out_ptr,
     inter,
@@ -402,13 +421,16 @@ def _expert_gate_up_kernel(
     stride_x,
     stride_w_expert,
     stride_w_n,
+    stride_scales,
     WIDTH: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[row, n] = silu(gate[n]) * up[n] of routed row `row` (token row // WIDTH) through
-    its expert's gate rows w13[e, :inter] and up rows w13[e, inter:], float32 throughout."""
+    its expert's gate rows w13[e, :inter] and up rows w13[e, inter:], float32 throughout;
+    with HAS_SCALE, float8 rows, each dot times its row's scale."""
     row = tl.program_id(0)
     wait_for_inputs(DEPENDENT)  # the expert comes from the routing kernel: nothing to prefetch
     expert = tl.load(experts_ptr + row).to(tl.int64)
@@ -417,6 +439,10 @@ def _expert_gate_up_kernel(
     x_row = x_ptr + (row // WIDTH) * stride_x
     w_rows = w13_ptr + expert * stride_w_expert
     gate, up = row_dots(x_row, w_rows, cols, in_cols, K, stride_w_n, inter, True, False, BLOCK_N, BLOCK_K)
+    if HAS_SCALE:
+        row_scales = scales_ptr + expert * stride_scales + cols
+        gate *= tl.load(row_scales, mask=in_cols, other=0.0)
+        up *= tl.load(row_scales + inter, mask=in_cols, other=0.0)
     tl.store(out_ptr + row * inter + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=in_cols)
 
 
@@ -424,6 +450,7 @@ def _expert_gate_up_kernel(
 def _expert_down_sum_kernel(
     activated_ptr,
     w2_ptr,
+    scales_ptr,
     experts_ptr,
     weights_ptr,
     out_ptr,
@@ -432,7 +459,9 @@ def _expert_down_sum_kernel(
     stride_w_expert,
     stride_w_n,
     stride_out,
+    stride_scales,
     WIDTH: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -451,6 +480,8 @@ def _expert_down_sum_kernel(
         dots, _ = row_dots(
             activated_ptr + row * inter, w_rows, cols, in_cols, inter, stride_w_n, 0, False, False, BLOCK_N, BLOCK_K
         )
+        if HAS_SCALE:
+            dots *= tl.load(scales_ptr + expert * stride_scales + cols, mask=in_cols, other=0.0)
         total += tl.load(weights_ptr + row).to(tl.float32) * dots
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=in_cols)
 
@@ -477,10 +508,12 @@ def expert_matvecs(
     weights: torch.Tensor,
     experts: torch.Tensor,
     launches: tuple[MatvecLaunch, MatvecLaunch] | None = None,
+    scales: ExpertScales = (None, None),
 ) -> torch.Tensor:
     """`fused_moe` for rows that share no expert: one matrix-vector product per routed row,
     in two launches (gate/up with silu, then down summed over each token's experts)."""
     tokens, width = experts.shape
+    s13, s2 = scales
     inter, hidden_size = w2.shape[2], w2.shape[1]
     gate_up, down = launches or (matvec_launch(inter, hidden_size), matvec_launch(hidden_size, inter))
     activated = torch.empty((tokens * width, inter), dtype=hidden.dtype, device=hidden.device)
@@ -489,6 +522,7 @@ def expert_matvecs(
     _expert_gate_up_kernel[(tokens * width, triton.cdiv(inter, gate_up.block_n))](
         hidden,
         w13,
+        w13 if s13 is None else s13,
         experts,
         activated,
         inter,
@@ -496,7 +530,9 @@ def expert_matvecs(
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
+        0 if s13 is None else s13.stride(0),
         WIDTH=width,
+        HAS_SCALE=s13 is not None,
         BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k,
         num_warps=gate_up.num_warps,
@@ -505,6 +541,7 @@ def expert_matvecs(
     _expert_down_sum_kernel[(tokens, triton.cdiv(hidden_size, down.block_n))](
         activated,
         w2,
+        w2 if s2 is None else s2,
         experts,
         weights,
         out,
@@ -513,7 +550,9 @@ def expert_matvecs(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        0 if s2 is None else s2.stride(0),
         WIDTH=width,
+        HAS_SCALE=s2 is not None,
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,
         num_warps=down.num_warps,
@@ -535,17 +574,22 @@ def fused_moe(
     weights: torch.Tensor,
     experts: torch.Tensor,
     launch: MoeLaunch | None = None,
+    scales: ExpertScales = (None, None),
 ) -> torch.Tensor:
     """hidden [tokens, h]; w13 [experts, 2 * inter, h] (gate then up); w2 [experts, h, inter];
-    weights, experts [tokens, top_k]. Returns sum over choices of weight * expert(hidden)."""
+    weights, experts [tokens, top_k]. Returns sum over choices of weight * expert(hidden).
+    `scales`: w13's and w2's per-row scales where they are float8 (else None)."""
     tokens, top_k = experts.shape
     num_rows = tokens * top_k
     num_experts = w13.shape[0]
     launch = launch or moe_launch(num_rows, num_experts)
     if expected_repeats(num_rows, num_experts) < 1:
-        return expert_matvecs(hidden, w13, w2, weights.contiguous(), experts.contiguous())
+        return expert_matvecs(hidden, w13, w2, weights.contiguous(), experts.contiguous(), scales=scales)
+    s13, s2 = scales
     row_ids, block_experts = group_by_expert(experts, num_experts, launch.block_m)
-    activated = _grouped_matmul(hidden, w13, row_ids, block_experts, num_rows, top_k, launch, silu_and_mul=True)
+    activated = _grouped_matmul(
+        hidden, w13, row_ids, block_experts, num_rows, top_k, launch, silu_and_mul=True, scales=s13
+    )
     flat_weights = weights.flatten().contiguous()
-    down = _grouped_matmul(activated, w2, row_ids, block_experts, num_rows, 1, launch, flat_weights)
+    down = _grouped_matmul(activated, w2, row_ids, block_experts, num_rows, 1, launch, flat_weights, scales=s2)
     return down.view(tokens, top_k, -1).sum(dim=1)

@@ -15,6 +15,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import PackedMapping, WeightBindingError
 from kestrel.layers import ops
 from kestrel.layers.linear import Linear, ShardSlice, copy_into
+from kestrel.layers.quantized import E4M3_MAX, FP8_MIN_SCALE
 
 
 class StackedExpertWeight(nn.Module):
@@ -34,6 +35,23 @@ class StackedExpertWeight(nn.Module):
             self._rows[part] = (start, rows_slice)
             start += rows_slice.size
         self._shards = frozenset(f"{e}:{part}" for e in range(num_experts) for part in parts)
+        self.scales: torch.Tensor | None = None  # [experts, rows] float32 once the weight is float8
+
+    def quantize_fp8(self) -> None:
+        """Each expert's rows to float8 e4m3 with a float32 scale per row (the largest
+        magnitude maps to 448): half the bytes a decode step reads from its experts."""
+        rows = self.weight.detach().float()
+        scales = (rows.abs().amax(dim=2) / E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+        values = (rows / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        self.weight = nn.Parameter(values, requires_grad=False)
+        self.scales = scales
+
+    def expert(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's weight in `dtype` (dequantized where it is float8)."""
+        weight = self.weight[index]
+        if self.scales is None:
+            return weight
+        return (weight.float() * self.scales[index, :, None]).to(dtype)
 
     def shard_ids(self) -> frozenset[str]:
         return self._shards
@@ -108,12 +126,19 @@ class SparseMoe(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mix_experts(hidden, *self.route(hidden))
 
+    def quantize(self, method: str) -> None:
+        """`quantize_linears` for the experts: float8 rows ("fp8"); other methods keep them."""
+        if method == "fp8":
+            self.experts.w13.quantize_fp8()
+            self.experts.w2.quantize_fp8()
+
     def mix_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The sum over each token's chosen experts, weighted; fused on CUDA."""
         if hidden.is_cuda:
             from kestrel.layers.fused_moe import fused_moe
 
-            out = fused_moe(hidden, self.experts.w13.weight, self.experts.w2.weight, weights, experts)
+            w13, w2 = self.experts.w13, self.experts.w2
+            out = fused_moe(hidden, w13.weight, w2.weight, weights, experts, scales=(w13.scales, w2.scales))
         else:
             out = self.grouped(hidden, weights, experts)
         return self.parallel.all_reduce(out)  # each rank computed its slice of every expert
@@ -126,14 +151,14 @@ class SparseMoe(nn.Module):
         token_weights = weights.flatten()[order]
         counts = torch.bincount(flat_experts, minlength=self.num_stacked).tolist()
         out = torch.zeros_like(hidden)
-        w13, w2 = self.experts.w13.weight, self.experts.w2.weight
+        w13, w2 = self.experts.w13, self.experts.w2
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             rows = token_rows[start : start + count]
-            gate, up = ops.linear(hidden[rows], w13[expert]).chunk(2, dim=-1)
-            expert_out = ops.linear(F.silu(gate) * up, w2[expert])
+            gate, up = ops.linear(hidden[rows], w13.expert(expert, hidden.dtype)).chunk(2, dim=-1)
+            expert_out = ops.linear(F.silu(gate) * up, w2.expert(expert, hidden.dtype))
             out.index_add_(0, rows, expert_out * token_weights[start : start + count, None])
             start += count
         return out

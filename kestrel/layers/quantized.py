@@ -189,11 +189,12 @@ def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
 
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace the float weight of every decoder projection (a `Linear` marked quantizable,
-    of a shape the kernel takes) by its packed form; returns how many. Routers, embeddings,
-    experts and the LM head stay as loaded."""
+    of a shape the kernel takes) by its packed form, and with "fp8" every MoE layer's stacked
+    experts too; returns how many weights. Routers, embeddings and the LM head stay as loaded."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATIONS)}")
     from kestrel.layers.linear import Linear
+    from kestrel.layers.moe import SparseMoe
 
     takes = packable if method == INT4 else fp8_packable
     count = 0
@@ -201,6 +202,9 @@ def quantize_linears(model: nn.Module, method: str) -> int:
         if isinstance(module, Linear) and module.quantizable and takes(module.out_features, module.in_features):
             module.quantize(method)
             count += 1
+        elif isinstance(module, SparseMoe) and method == FP8:  # experts: float8 rows, bf16 activations
+            module.quantize(method)
+            count += 2
     return count
 
 

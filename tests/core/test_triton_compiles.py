@@ -116,13 +116,19 @@ CASES = {
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
-        | dict(ONE_ROW_BLOCKS=True, DEPENDENT=True),
+        | dict(ONE_ROW_BLOCKS=True, HAS_SCALE=False, DEPENDENT=True),
     ),
     "moe_matmul_tall": (
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32")
-        | dict(ONE_ROW_BLOCKS=False, DEPENDENT=True),
+        | dict(ONE_ROW_BLOCKS=False, HAS_SCALE=False, DEPENDENT=True),
+    ),
+    "moe_matmul_float8_experts": (  # gate and up with silu, float8 rows widened in registers
+        fused_moe.grouped_matmul_kernel,
+        MOE_MATMUL | {"b_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
+        dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, SILU_AND_MUL=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128)
+        | dict(PRECISION="tf32", ONE_ROW_BLOCKS=False, HAS_SCALE=True, DEPENDENT=True),
     ),
     "moe_route_with_shared": (  # Qwen3-Next: top 10 of 512, the shared expert after them
         fused_moe.route_kernel,
@@ -132,7 +138,12 @@ CASES = {
     "moe_expert_gate_up": (  # a decode token's routed rows, one matvec each
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
-        dict(WIDTH=8, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+        dict(WIDTH=8, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+    ),
+    "moe_expert_gate_up_float8": (
+        fused_moe._expert_gate_up_kernel,
+        {"x_ptr": "*bf16", "w13_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32", "out_ptr": "*bf16"},
+        dict(WIDTH=8, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
     ),
     "moe_expert_down_sum": (
         fused_moe._expert_down_sum_kernel,
@@ -143,7 +154,7 @@ CASES = {
             "weights_ptr": "*bf16",
             "out_ptr": "*bf16",
         },
-        dict(WIDTH=11, DEPENDENT=True, BLOCK_N=2, BLOCK_K=512),
+        dict(WIDTH=11, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=512),
     ),
     "head_norm_partial_rotary": (  # Qwen3-Next: 64 of 256 columns rotated, a float32 folded weight
         fused._head_norm_rotary_kernel,

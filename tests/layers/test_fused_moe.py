@@ -152,3 +152,25 @@ def test_pipeline_stages_shrink_to_fit_shared_memory():
     assert stages_that_fit(launch, 2, 2, 232448) == 3  # bf16: 2 x 69,632 bytes buffered
     assert stages_that_fit(launch, 4, 2, 232448) == 2  # float32: 2 x 139,264 would overflow
     assert stages_that_fit(launch, 4, 1, 232448) == 3
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_float8_experts_match_the_dequantized_torch_path(tokens):
+    """`quantization="fp8"` on a MoE layer: each expert's rows in e4m3 with a scale per row;
+    the matvecs (one token) and the grouped matmuls (37) widen them in registers and scale
+    each output, as the torch path multiplies the dequantized weights."""
+    torch.manual_seed(4)
+    moe = SparseMoe(48, 40, 6, 2, True).to(DEVICE)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    float_w2 = moe.experts.w2.weight.detach().clone()
+    moe.quantize("fp8")
+    assert moe.experts.w13.weight.dtype == torch.float8_e4m3fn and moe.experts.w2.scales.shape == (6, 48)
+    dequantized = moe.experts.w2.expert(3, torch.float32)
+    assert (dequantized - float_w2[3]).abs().max() <= float_w2[3].abs().max() / 16  # e4m3: 3 mantissa bits
+    hidden = torch.randn(tokens, 48, device=DEVICE)
+    weights, experts = moe.route(hidden)
+    expected = moe.grouped(hidden, weights, experts)
+    w13, w2 = moe.experts.w13, moe.experts.w2
+    got = fused_moe(hidden, w13.weight, w2.weight, weights, experts, scales=(w13.scales, w2.scales))
+    torch.testing.assert_close(got, expected, atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
