@@ -69,5 +69,8 @@ def fp8_linear(
     if x.shape[0] == 1:
         return gemv.gemv(x, values, bias, scale=scales)
     quantized, row_scales = quantize_rows(x)
-    out = torch._scaled_mm(quantized, values.t(), scale_a=row_scales, scale_b=scales.view(1, -1), out_dtype=x.dtype)
+    # Row-wise scales take a bf16 output (cuBLASLt / CUTLASS); other dtypes are cast from it.
+    out = torch._scaled_mm(
+        quantized, values.t(), scale_a=row_scales, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16
+    ).to(x.dtype)
     return out if bias is None else out + bias
