@@ -11,12 +11,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kestrel.bench.limits import ExpertStack
-from kestrel.layers.fused_moe import MatvecLaunch, MoeLaunch, expected_repeats, expert_matvecs, fused_moe, moe_launch
+from kestrel.layers.fused_moe import (
+    MatvecLaunch,
+    MoeLaunch,
+    _grouped_matmul,
+    expected_repeats,
+    expert_matvecs,
+    fused_moe,
+    moe_launch,
+)
 
 # name: (experts, top_k, hidden, expert intermediate)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "qwen3-next": (512, 10, 2048, 512)}
@@ -29,9 +38,26 @@ MATVECS = [
 ]
 
 
-def matvec_candidates() -> list[tuple[MatvecLaunch, MatvecLaunch]]:
-    """(gate/up, down) launch pairs for decode steps whose rows share no expert."""
-    return list(itertools.product(MATVECS, MATVECS))
+def matvec_candidates() -> list:
+    """For decode steps whose rows share no expert: (gate/up, down) matvec launch pairs, and
+    the alternative they replaced, each routed row as its own tile of the grouped matmuls
+    (`OneRowTiles`), so the sweep shows which is faster on the GPU at hand."""
+    return list(itertools.product(MATVECS, MATVECS)) + [OneRowTiles(MoeLaunch(16, n, 128)) for n in (64, 128)]
+
+
+@dataclass(frozen=True)
+class OneRowTiles:
+    """Each routed row a block of its own in the grouped matmuls (15 of the tile's 16 rows
+    padding), then torch's sum over each token's experts."""
+
+    launch: MoeLaunch
+
+    def __call__(self, x, w13, w2, weights, experts) -> torch.Tensor:
+        tokens, top_k = experts.shape
+        rows, flat = tokens * top_k, experts.flatten().int()
+        act = _grouped_matmul(x, w13, None, flat, rows, top_k, self.launch, silu_and_mul=True)
+        down = _grouped_matmul(act, w2, None, flat, rows, 1, self.launch, weights.flatten().contiguous())
+        return down.view(tokens, top_k, -1).sum(dim=1)
 
 
 def candidates(tokens: int) -> list[MoeLaunch]:
@@ -76,6 +102,8 @@ def sweep_shape(num_experts: int, top_k: int, hidden: int, inter: int, tokens_li
         def step(launch, x=x, weights=weights, experts=experts) -> torch.Tensor:
             if isinstance(launch, tuple):
                 return expert_matvecs(x, w13, w2, weights, experts.int(), launch)
+            if isinstance(launch, OneRowTiles):
+                return launch(x, w13, w2, weights, experts)
             return fused_moe(x, w13, w2, weights, experts, launch)
 
         timings = []

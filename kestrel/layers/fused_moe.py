@@ -171,7 +171,8 @@ def grouped_matmul_kernel(
 ):
     """C[row] = A[row // A_ROW_DIVISOR] @ B[expert]^T for the block's rows (B is [n, k] per
     expert, as a linear layer's weight), optionally times weights[row]. With ONE_ROW_BLOCKS,
-    block i is row i alone and block_experts its routed experts, flat; no row ids. With
+    block i is row i alone and block_experts its routed experts, flat; no row ids (what
+    decode steps ran before `expert_matvecs`; scripts/moe_sweep.py still times it against them). With
     SILU_AND_MUL, B holds 2n rows (gate, then up) and C[row] = silu(gate) * up, from float32
     accumulators, so the gate and up products never go to memory. With HAS_SCALE, B is float8
     with a scale per (expert, row): its tiles are widened to A's dtype in registers and each
