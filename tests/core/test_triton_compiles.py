@@ -156,6 +156,12 @@ CASES = {
         },
         dict(WIDTH=11, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=512),
     ),
+    "moe_expert_down_sum_float8": (
+        fused_moe._expert_down_sum_kernel,
+        {"activated_ptr": "*bf16", "w2_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32"}
+        | {"weights_ptr": "*bf16", "out_ptr": "*bf16"},
+        dict(WIDTH=8, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
+    ),
     "head_norm_partial_rotary": (  # Qwen3-Next: 64 of 256 columns rotated, a float32 folded weight
         fused._head_norm_rotary_kernel,
         {"x_ptr": "*bf16", "weight_ptr": "*fp32", "out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
