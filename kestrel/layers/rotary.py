@@ -1,5 +1,11 @@
-"""Rotary position embedding (rotate-half layout), with linear, llama3 and longrope frequency
-scaling.
+"""Rotary position embedding (rotate-half layout), with linear, llama3, YaRN and longrope
+frequency scaling.
+
+YaRN (Qwen3's and GPT-OSS's long-context setting) keeps the fast-turning frequencies,
+divides the slow ones by `factor`, blends those between (a linear ramp over the dimensions
+whose wavelengths fall between beta_fast and beta_slow turns of the pretraining length), and
+scales cos and sin by an attention factor (0.1 ln(factor) + 1 unless given), as transformers
+computes it.
 
 LongRoPE (Phi-3, Phi-4) divides each frequency by a per-dimension factor, the "short" ones
 for positions inside the pretraining length and the "long" ones past it, and scales cos and
@@ -22,14 +28,17 @@ import torch
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
-    scaling: str = "default"  # "default" | "linear" | "llama3" | "longrope"
+    scaling: str = "default"  # "default" | "linear" | "llama3" | "yarn" | "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope: per frequency, inside original_max_position
     long_factor: tuple[float, ...] = ()  # longrope: per frequency, past it
-    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
+    attention_factor: float = 1.0  # longrope, yarn: cos and sin are scaled by it
+    beta_fast: float = 32.0  # yarn: frequencies turning more often than this over the length are kept
+    beta_slow: float = 1.0  # yarn: ... less often than this are divided by `factor`
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
 
 
 @lru_cache(maxsize=16)
@@ -40,11 +49,30 @@ def inverse_frequencies(rope: RopeSpec, rotary_dim: int, device: torch.device, l
         factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
         return (1.0 / (factors * rope.theta**exponents)).to(device)
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.scaling == "yarn":
+        return _yarn_blended(inv_freq, rope, rotary_dim).to(device)
     if rope.scaling == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.scaling == "llama3":
         inv_freq = _llama3_scaled(inv_freq, rope)
     return inv_freq.to(device)
+
+
+def _yarn_blended(inv_freq: torch.Tensor, rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
+    """Each frequency between kept (fast) and divided by `factor` (slow), by a linear ramp
+    over the dimensions whose turns over the pretraining length lie between the two betas."""
+
+    def dimension_of(turns: float) -> float:  # the dimension whose frequency makes `turns` turns
+        return rotary_dim * math.log(rope.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension_of(rope.beta_fast), dimension_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high  # a ramp of zero width
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1 where the frequency is fast enough to keep
+    return inv_freq / rope.factor * (1 - kept) + inv_freq * kept
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:

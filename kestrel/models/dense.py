@@ -251,12 +251,14 @@ def rope_from_parameters(
     """A RopeSpec from transformers' rope parameters (`rope_type`, `rope_theta`, scaling fields)."""
     theta = params.get("rope_theta", default_theta)
     scaling = params.get("rope_type", params.get("type", "default"))
-    if scaling not in ("default", "linear", "llama3", "longrope"):
-        raise ValueError(f"unsupported rope scaling {scaling!r}; supported: default, linear, llama3, longrope")
+    if scaling not in ("default", "linear", "llama3", "yarn", "longrope"):
+        raise ValueError(f"unsupported rope scaling {scaling!r}; supported: default, linear, llama3, yarn, longrope")
     if params.get("partial_rotary_factor", 1.0) != 1.0 and not allow_partial:
         raise ValueError("partial rotary embeddings are not supported by the dense decoder")
     if scaling == "longrope":
         return longrope(params, float(theta), max_position)
+    if scaling == "yarn":
+        return yarn(params, float(theta), max_position)
     return RopeSpec(
         theta=float(theta),
         scaling=scaling,
@@ -284,6 +286,33 @@ def longrope(params: dict, theta: float, max_position: int | None) -> RopeSpec:
         short_factor=tuple(float(f) for f in params["short_factor"]),
         long_factor=tuple(float(f) for f in params["long_factor"]),
         attention_factor=float(attention_factor),
+    )
+
+
+def yarn(params: dict, theta: float, max_position: int | None) -> RopeSpec:
+    """YaRN as transformers reads it: the factor unless absent (then the context's growth over
+    the pretraining length), the attention factor from mscale where DeepSeek's configs give one."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or (max_position or original) / original
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    return RopeSpec(
+        theta=theta,
+        scaling="yarn",
+        factor=float(factor),
+        original_max_position=original,
+        attention_factor=float(attention_factor),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
