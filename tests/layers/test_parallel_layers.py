@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kestrel.core.parallel import TensorParallel
+from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
-from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice
+from kestrel.layers.linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.rotary import RopeSpec
 from kestrel.models.dense import attention_shards
@@ -53,6 +54,20 @@ def test_column_parallel_stack_joins_back_into_the_whole():
     full_q, full_k = whole.split(whole(x))
     torch.testing.assert_close(torch.cat([p[0] for p in parts], dim=-1), full_q)
     torch.testing.assert_close(torch.cat([p[1] for p in parts], dim=-1), full_k)
+
+
+def test_a_fused_checkpoint_tensor_gives_each_rank_its_rows_of_every_part():
+    """Phi-3's qkv_proj: q then k whole in one tensor; each rank takes its rows of each."""
+    torch.manual_seed(1)
+    q, k = torch.randn(8, 6), torch.randn(4, 6)
+    for parallel in ranks():
+        shards = {"q": ShardSlice(parallel.rank * 4, 4, 8), "k": ShardSlice(parallel.rank * 2, 2, 4)}
+        fused, separate = FusedColumnLinear(6, shards), ColumnParallelLinear(6, shards)
+        fused.load_shard(fused.weight, torch.cat((q, k)), None)
+        load(separate, {"q": q, "k": k}, {"q": ("weight", "q"), "k": ("weight", "k")})
+        assert torch.equal(fused.weight, separate.weight)
+        with pytest.raises(WeightBindingError, match=r"parts \['q', 'k'\]: expected 12 rows, got \(11, 6\)"):
+            fused.load_shard(fused.weight, torch.cat((q, k))[:11], None)
 
 
 def test_row_parallel_partial_products_sum_to_the_whole():
