@@ -269,12 +269,18 @@ def rope_from_parameters(
     )
 
 
+def pretraining_growth(params: dict, max_position: int | None) -> tuple[int, float]:
+    """The pretraining length, and the scaling factor: as given, else the context's growth
+    over that length (transformers' rule for LongRoPE and YaRN alike)."""
+    original = int(params["original_max_position_embeddings"])
+    return original, params.get("factor") or (max_position or original) / original
+
+
 def longrope(params: dict, theta: float, max_position: int | None) -> RopeSpec:
     """LongRoPE as transformers computes it: the factor is the context's growth over the
     pretraining length unless given, and cos and sin scale by sqrt(1 + ln(factor) / ln(that
     length)) unless an attention factor is given."""
-    original = int(params["original_max_position_embeddings"])
-    factor = params.get("factor") or (max_position or original) / original
+    original, factor = pretraining_growth(params, max_position)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -292,8 +298,7 @@ def longrope(params: dict, theta: float, max_position: int | None) -> RopeSpec:
 def yarn(params: dict, theta: float, max_position: int | None) -> RopeSpec:
     """YaRN as transformers reads it: the factor unless absent (then the context's growth over
     the pretraining length), the attention factor from mscale where DeepSeek's configs give one."""
-    original = int(params["original_max_position_embeddings"])
-    factor = params.get("factor") or (max_position or original) / original
+    original, factor = pretraining_growth(params, max_position)
 
     def mscale(scale: float, weight: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
