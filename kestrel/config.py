@@ -55,12 +55,35 @@ class EngineArgs:
     # What preemption does with a request's state: "recompute" it later from the tokens, or
     # "swap" it to host memory and back (vLLM's name and values).
     preemption_mode: str = "recompute"
+    # A host-memory tier behind the prefix cache, in GiB (vLLM's names): pages the device pool
+    # evicts are kept there and copied back on a prefix hit. Backend: "native" (the only one).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
     # A thinking model's reasoning markers (vLLM's names: "qwen3", "deepseek_r1"): structured
     # output grammars apply after the reasoning, and the server splits `reasoning_content` out.
     reasoning_parser: str | None = None
     # Speculative decoding, as vLLM spells it: a SpeculativeConfig, or its dict or JSON text
     # ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}); parsed here.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+
+    def _offloading_checks(self) -> list[tuple[bool, str]]:
+        size = self.kv_offloading_size
+        return [
+            (size is None or size > 0, f"kv_offloading_size must be positive (GiB), got {size}"),
+            (
+                self.kv_offloading_backend in (None, "native"),
+                f"kv_offloading_backend={self.kv_offloading_backend!r} is not supported; supported: 'native'",
+            ),
+            (
+                size is None or self.enable_prefix_caching,
+                "kv_offloading_size keeps the prefix cache's evicted pages in host memory; "
+                "it needs enable_prefix_caching",
+            ),
+            (
+                size is None or self.tensor_parallel_size == 1,
+                "kv_offloading_size keeps rank 0's pages only; it is not supported with tensor parallelism yet",
+            ),
+        ]
 
     def __post_init__(self) -> None:
         checks = [
@@ -116,6 +139,7 @@ class EngineArgs:
                 self.preemption_mode != "swap" or self.tensor_parallel_size == 1,
                 "preemption_mode='swap' swaps rank 0's state only; with tensor parallelism use 'recompute'",
             ),
+            *self._offloading_checks(),
         ]
         for ok, message in checks:
             if not ok:

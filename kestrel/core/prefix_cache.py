@@ -14,13 +14,29 @@ A hybrid model's cached prefix is only usable with the recurrent state after it,
 may also hold a snapshot: the id of a copy of that state after the node's last token (the
 recurrent provider owns the copies). `match_snapshot` finds the deepest node that holds one;
 removing a node hands its snapshot to `on_snapshot_dropped`.
+
+Each node also carries the digest of the whole prefix it ends (`page_digest`, chained from
+the root): a name for its page's contents that outlives the node. An eviction that frees a
+page hands its page and digest to `on_page_evicted` before the page is reused, which is how
+a host tier (`core/host_tier.py`) keeps what the device pool lets go.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+ROOT_DIGEST = b""
+
+
+def page_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The digest of a prefix: its last page's tokens chained onto the digest of the prefix
+    before them. 128 bits, so two different prefixes never meet in practice (a collision
+    would hand one prompt another's keys and values)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 @dataclass(eq=False)
@@ -32,12 +48,19 @@ class _Node:
     last_used: int = 0
     depth: int = 0  # pages from the root: of two as recent, the deeper goes first
     snapshot: int | None = None  # the recurrent state after this node's tokens, if kept
+    digest: bytes = ROOT_DIGEST  # of the whole prefix this node ends
 
 
 class PrefixCache:
-    def __init__(self, page_size: int, on_snapshot_dropped: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        on_snapshot_dropped: Callable[[int], None] | None = None,
+        on_page_evicted: Callable[[int, bytes], None] | None = None,
+    ) -> None:
         self.page_size = page_size
         self.on_snapshot_dropped = on_snapshot_dropped
+        self.on_page_evicted = on_page_evicted  # (page, digest of its prefix), before reuse
         self._root = _Node(page=-1, parent=None, key=())
         self._by_page: dict[int, _Node] = {}
         self._by_snapshot: dict[int, _Node] = {}
@@ -67,6 +90,10 @@ class PrefixCache:
             node.last_used = self._clock
             pages.append(node.page)
         return pages
+
+    def digest_of(self, page: int) -> bytes:
+        """The digest of the prefix that the cached `page` ends."""
+        return self._by_page[page].digest
 
     def match_snapshot(self, tokens: Sequence[int], max_pages: int) -> tuple[list[int], int | None]:
         """Pages of the longest cached prefix of `tokens` (at most `max_pages`) that ends at a
@@ -124,7 +151,8 @@ class PrefixCache:
             if child is None:
                 if page in self._by_page:
                     return  # the page already spells another prefix: stop rather than alias it
-                child = _Node(page, node, key, last_used=self._clock, depth=node.depth + 1)
+                digest = page_digest(node.digest, key)
+                child = _Node(page, node, key, last_used=self._clock, depth=node.depth + 1, digest=digest)
                 node.children[key] = child
                 self._by_page[page] = child
                 self._push(child)
@@ -160,7 +188,11 @@ class PrefixCache:
             if below and all(evictable(n.page) for n in below):
                 continue  # its leaves go first; it is pushed again when it becomes one
             self._remove(node, below)
-            return [n.page for n in (node, *below) if evictable(n.page)]
+            freed = [n for n in (node, *below) if evictable(n.page)]
+            if self.on_page_evicted is not None:
+                for gone in freed:
+                    self.on_page_evicted(gone.page, gone.digest)
+            return [n.page for n in freed]
         return []
 
     def _below(self, node: _Node):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.core.binder import StepBinder
+from kestrel.core.host_tier import HostKVTier
 from kestrel.core.prefix_cache import PrefixCache
 
 # The float8 dtypes a KV pool may store (with a backend that declares it can read them).
@@ -250,6 +251,7 @@ class PagedKVProvider(StateProvider):
         # captured graph write their throwaway keys and values there.
         self.scratch_id = num_pages
         self.layout = layout or KVLayout(values_by_slot=spec.dtype in FLOAT8_KV_DTYPES)
+        self.host_tier: HostKVTier | None = None  # `attach_host_tier`
         shape = (spec.num_layers, 2, spec.num_kv_heads, num_pages + 1, spec.page_size, spec.head_dim)
         # Zeros, not empty: masked-out positions are multiplied by zero weights, and
         # uninitialised memory may hold NaN, which would survive that multiplication.
@@ -329,6 +331,26 @@ class PagedKVProvider(StateProvider):
 
     def share(self, request_id: str, pages: list[int]) -> None:
         self.allocator.share(request_id, pages)
+
+    def page_shape(self) -> tuple[int, ...]:
+        """One page of every layer's keys and values, as stored: [layers, 2, heads, page, dim]."""
+        layers, kinds, heads, _, page_size, head_dim = self._storage.shape
+        return (layers, kinds, heads, page_size, head_dim)
+
+    def attach_host_tier(self, tier: HostKVTier) -> None:
+        """Keep the pages the prefix cache evicts in `tier` (copied before they are reused)."""
+        if self.prefix_cache is None:
+            raise ValueError("a host KV tier keeps evicted prefix-cache pages; enable prefix caching")
+        self.host_tier = tier
+        self.prefix_cache.on_page_evicted = self._offload
+
+    def _offload(self, page: int, digest: bytes) -> None:
+        self.host_tier.store(digest, self._storage[:, :, :, page])
+
+    def load_from_host(self, host_pages: list[int], pages: list[int]) -> None:
+        """Copy held host-tier pages into device `pages` (the caller's, in the same order)."""
+        for host_page, page in zip(host_pages, pages, strict=True):
+            self._storage[:, :, :, page].copy_(self.host_tier.page(host_page), non_blocking=True)
 
     def cache_prefix(self, request_id: str, token_ids: list[int]) -> None:
         """Record the request's full pages of `token_ids` (whose KV is computed) for reuse."""

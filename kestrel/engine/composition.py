@@ -17,6 +17,7 @@ from kestrel.core.attention.registry import select_backend
 from kestrel.core.batch import KV_GROUP
 from kestrel.core.binder import StepBinder
 from kestrel.core.cuda_graphs import DecodeGraphs, graphs_supported
+from kestrel.core.host_tier import HostKVTier
 from kestrel.core.layer_spec import PoolBudget, StateGroupSpec
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.planner import FcfsPlanner, PlannerConfig
@@ -489,6 +490,26 @@ def snapshot_stops(args: EngineArgs, rank: RankParts) -> dict[str, int]:
     return {"snapshot_interval": args.state_snapshot_interval if keeps_snapshots else 0}
 
 
+def attach_host_tier(args: EngineArgs, rank: RankParts) -> None:
+    """A host-memory tier of `kv_offloading_size` GiB behind the KV pool's prefix cache."""
+    if rank.recurrent is not None:
+        raise ValueError(
+            f"kv_offloading_size: {rank.spec.architecture} keeps recurrent state, whose prefix snapshots "
+            "are not offloaded yet; the host KV tier serves attention-only models so far"
+        )
+    if rank.kv.prefix_cache is None:
+        raise ValueError("kv_offloading_size keeps the prefix cache's evicted pages; prefix caching is off")
+    kv_spec = rank.kv.spec
+    num_pages = int(args.kv_offloading_size * GIB) // kv_spec.bytes_per_page()
+    if num_pages < 1:
+        raise ValueError(
+            f"kv_offloading_size={args.kv_offloading_size} GiB holds no KV page of {kv_spec.bytes_per_page()} bytes"
+        )
+    pin = rank.runtime.device.type == "cuda"  # page-locked, so copies to and from the GPU run asynchronously
+    rank.kv.attach_host_tier(HostKVTier(rank.kv.page_shape(), kv_spec.dtype, num_pages, pin_memory=pin))
+    logger.info("host KV tier: %d pages, %.2f GiB", num_pages, num_pages * kv_spec.bytes_per_page() / GIB)
+
+
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     if uses_mtp_head(args) and args.enable_prefix_caching:
         # A cached prefix gives the target no hidden states for its positions, and the head
@@ -506,6 +527,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     else:
         rank = build_rank(args, SINGLE)
         executor = LocalExecutor(rank.runner)
+    if args.kv_offloading_size is not None:
+        attach_host_tier(args, rank)
     tokenizer = load_tokenizer(args, rank.checkpoint)
     return EngineParts(
         args=args,
@@ -555,6 +578,7 @@ def draft_model_args(args: EngineArgs) -> EngineArgs:
         max_model_len=None,
         kv_cache_memory_gb=None,
         enable_prefix_caching=False,
+        kv_offloading_size=None,
         speculative_config=None,
         preemption_mode="recompute",
     )

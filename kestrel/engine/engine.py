@@ -93,6 +93,11 @@ class EngineStats:
     num_total_state_slots: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
+    # The host KV tier, since start: of the hits, tokens copied back from it; bytes copied out
+    # to it and back in.
+    kv_offload_hit_tokens: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_loaded_bytes: int = 0
     structured_requests: int = 0  # requests with a structured-output constraint, so far
     grammars_compiled: int = 0
     grammar_compile_seconds: float = 0.0  # on the compile threads, all grammars so far
@@ -381,18 +386,22 @@ class LLMEngine:
                 if request.wants_prompt_logprobs:
                     request.prompt_logprobs = [None]  # recomputed from the start, like the KV
             self._waiting.appendleft(request)
-        for request_id in plan.admitted:
-            request = self._requests[request_id]
+        admitted = [self._requests[request_id] for request_id in plan.admitted]
+        for request in admitted:
             self._waiting.remove(request)
-            if request.swapped is not None:
-                self._swap.import_(request.swapped)  # its pages and slots, filled from host memory
-                request.swapped = None
-            else:
+            if request.swapped is None:
                 self._prefix.take(request, self._prefix_hits.get(request.request_id, NO_HIT))
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self._running.append(request)
+        # Only once every admitted request shares its cached pages: the room taken here may
+        # evict cached pages, and none of those may be a page an admitted request was promised.
+        for request in admitted:
+            if request.swapped is not None:
+                self._swap.import_(request.swapped)  # its pages and slots, filled from host memory
+                request.swapped = None
+        self._prefix.load_from_host()
 
     def _release_pages(self, request: Request) -> None:
         """Give the request's pages back, leaving its computed full pages in the prefix cache."""
@@ -567,8 +576,19 @@ class LLMEngine:
             num_total_state_slots=self.parts.recurrent.num_slots if self.parts.recurrent else 0,
             prefix_cache_queries=self._prefix.queried_tokens,
             prefix_cache_hits=self._prefix.hit_tokens,
+            **self._host_tier_stats(),
             **self._structured_stats(),
             **self._speculation_stats(),
+        )
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        tier = self.parts.kv.host_tier
+        if tier is None:
+            return {}
+        return dict(
+            kv_offload_hit_tokens=self._prefix.host_hit_tokens,
+            kv_offload_stored_bytes=tier.counters.stored_pages * tier.bytes_per_page,
+            kv_offload_loaded_bytes=tier.counters.loaded_pages * tier.bytes_per_page,
         )
 
     def _structured_stats(self) -> dict[str, int | float]:

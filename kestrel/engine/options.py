@@ -50,6 +50,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of host memory behind the prefix cache: evicted KV pages are kept there and copied back on a hit",
+    )
+    parser.add_argument("--kv-offloading-backend", default=None, choices=["native"])
+    parser.add_argument(
         "--state-snapshot-interval",
         type=int,
         default=512,
@@ -120,6 +127,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dependent_launch=args.dependent_launch,
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
         state_snapshot_interval=args.state_snapshot_interval,
         num_state_snapshots=args.num_state_snapshots,
         reasoning_parser=args.reasoning_parser,

@@ -9,15 +9,22 @@ the snapshot interval; a chunk that ends there leaves its state in a snapshot as
 tokens keeps it. A later request with that prefix shares the KV pages up to the deepest
 node with a snapshot and starts from the snapshot.
 
+With a host tier (`core/host_tier.py`), a prefix may run on past what the device still
+caches into pages the device evicted to host memory: those are found by their prefix digests,
+and copied into fresh device pages once every request admitted in the step has shared its
+device pages (`load_from_host`), so that the room made for them never evicts a page another
+admitted request was promised.
+
 Ownership: the KV pool's prefix cache holds the tree (and frees a node's snapshot with the
-node); the recurrent provider owns the snapshot storage; this class decides which prefix a
-request takes and which chunk ends are kept.
+node); the recurrent provider owns the snapshot storage; the host tier owns its pages; this
+class decides which prefix a request takes and which chunk ends are kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kestrel.core.prefix_cache import ROOT_DIGEST, page_digest
 from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider, chunk_ids
 from kestrel.core.state import PagedKVProvider
 from kestrel.engine.request import Request
@@ -27,9 +34,10 @@ from kestrel.engine.request import Request
 class PrefixHit:
     pages: list[int]  # cached KV pages of the prefix, in order
     snapshot: int | None = None  # hybrid models: the recurrent state after those pages
+    host_digests: tuple[bytes, ...] = ()  # the prefix's next pages, in the host tier
 
     def num_tokens(self, page_size: int) -> int:
-        return len(self.pages) * page_size
+        return (len(self.pages) + len(self.host_digests)) * page_size
 
 
 NO_HIT = PrefixHit([])
@@ -43,8 +51,10 @@ class PrefixReuse:
         self.snapshots = recurrent if recurrent is not None and self.cache is not None else None
         self.interval = snapshot_interval
         self._starting: dict[str, int] = {}  # admitted request -> the snapshot its first chunk reads
+        self._loading: list[tuple[Request, tuple[bytes, ...]]] = []  # admitted this step, host pages to copy in
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of those, tokens a request did not compute again
+        self.host_hit_tokens = 0  # of those, tokens copied back from the host tier
 
     def begin_step(self) -> None:
         if self.snapshots is not None:
@@ -58,22 +68,60 @@ class PrefixReuse:
             return NO_HIT
         usable = (request.num_tokens - 1) // self.cache.page_size
         if self.snapshots is None:
-            return PrefixHit(self.cache.match(request.token_ids)[:usable])
+            pages = self.cache.match(request.token_ids)[:usable]
+            return PrefixHit(pages, host_digests=self._host_run(request.token_ids, pages, usable))
         pages, snapshot = self.cache.match_snapshot(request.token_ids, usable)
         return PrefixHit(pages, snapshot)
+
+    def _host_run(self, tokens: list[int], pages: list[int], usable: int) -> tuple[bytes, ...]:
+        """The digests of the pages after `pages` that the host tier holds, up to `usable`."""
+        tier = self.kv.host_tier
+        if tier is None or len(pages) >= usable:
+            return ()
+        size = self.cache.page_size
+        digest = self.cache.digest_of(pages[-1]) if pages else ROOT_DIGEST
+        run = []
+        for index in range(len(pages), usable):
+            digest = page_digest(digest, tokens[index * size : (index + 1) * size])
+            if digest not in tier:
+                break
+            run.append(digest)
+        return tuple(run)
 
     def take(self, request: Request, hit: PrefixHit) -> None:
         """Start an admitted request from its hit: share the pages (its first chunk reads the
         snapshot), and count its computed tokens."""
         if self.cache is not None:
             self.queried_tokens += request.num_tokens
-            self.hit_tokens += hit.num_tokens(self.cache.page_size)
+            self.hit_tokens += len(hit.pages) * self.cache.page_size
+        if hit.host_digests:
+            self._loading.append((request, hit.host_digests))
         if not hit.pages:
             return
         self.kv.share(request.request_id, hit.pages)
         if hit.snapshot is not None:
             self._starting[request.request_id] = hit.snapshot
-        request.num_computed_tokens = hit.num_tokens(self.cache.page_size)
+        request.num_computed_tokens = len(hit.pages) * self.cache.page_size
+
+    def load_from_host(self) -> None:
+        """Copy in the host-tier pages of the requests `take` started this step, after every
+        admitted request has shared its device pages. A page the tier let go since `match`
+        is computed again instead (the request's first chunk then starts earlier)."""
+        loading, self._loading = self._loading, []
+        if not loading:
+            return
+        tier, size = self.kv.host_tier, self.cache.page_size
+        # Pinned before any copy in: the room those copies take sends evicted pages to the tier.
+        held = [(request, tier.hold(digests)) for request, digests in loading]
+        for request, host_pages in held:
+            num_device_pages = request.num_computed_tokens // size
+            pages = self.kv.reserve(request.request_id, (num_device_pages + len(host_pages)) * size)
+            self.kv.load_from_host(host_pages, pages[num_device_pages:])
+            tier.release(host_pages)
+            request.num_computed_tokens = len(pages) * size
+            self.hit_tokens += len(host_pages) * size
+            self.host_hit_tokens += len(host_pages) * size
+            self.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
 
     def after_chunk(self, request: Request, start: int, end: int, state_ids: dict[str, tuple[int, ...]]) -> None:
         """Cache what the chunk [start, end) computes: the prompt's pages once the prompt is

@@ -7,7 +7,7 @@ requests and aborts, and reads `StepResult`s as they come.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 
 from kestrel.config import EngineArgs
@@ -70,21 +70,7 @@ def _queue_seconds(output: RequestOutput) -> float | None:
 
 def _stats(engine: LLMEngine) -> CoreStats:
     stats = engine.stats()
-    return CoreStats(
-        stats.num_running,
-        stats.num_waiting,
-        stats.num_used_pages,
-        stats.num_total_pages,
-        stats.prefix_cache_queries,
-        stats.prefix_cache_hits,
-        stats.structured_requests,
-        stats.grammars_compiled,
-        stats.grammar_compile_seconds,
-        stats.grammar_mask_seconds,
-        stats.spec_decode_num_drafts,
-        stats.spec_decode_num_draft_tokens,
-        stats.spec_decode_num_accepted_tokens,
-    )
+    return CoreStats(**{stat.name: getattr(stats, stat.name) for stat in fields(CoreStats)})
 
 
 def run_engine_core(args: EngineArgs, conn: Connection) -> None:

@@ -78,6 +78,9 @@ class ServerMetrics:
             "grammars_compiled": counter("grammar_compilations", "Grammars compiled (cache misses)."),
             "grammar_compile_seconds": counter("grammar_compile_seconds", "Time compiling grammars."),
             "grammar_mask_seconds": counter("grammar_mask_seconds", "Host time filling grammar token masks."),
+            "kv_offload_hit_tokens": counter("kv_offload_hits", "Prompt tokens whose KV came back from host memory."),
+            "kv_offload_stored_bytes": counter("kv_offload_stored_bytes", "KV bytes copied to the host tier."),
+            "kv_offload_loaded_bytes": counter("kv_offload_loaded_bytes", "KV bytes copied back from the host tier."),
             "spec_decode_num_drafts": counter("spec_decode_num_drafts", "Speculative verify chunks run."),
             "spec_decode_num_draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens checked."),
             "spec_decode_num_accepted_tokens": counter(

@@ -1,0 +1,97 @@
+"""The host KV tier behind the prefix cache: prefixes the device pool evicted come back from
+host memory, and change nothing but speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel import LLM, SamplingParams
+from tests.engine.test_prefix_caching import assert_same, random_tokens, run
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+
+def pool_gb(llm: LLM, pages: int) -> float:
+    return pages * llm.engine.parts.kv.spec.bytes_per_page() / 2**30
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint_dir):
+    return LLM(str(checkpoint_dir("llama")), page_size=8, enable_prefix_caching=False)
+
+
+def conversations(num_systems: int, rounds: int) -> list[list[list[int]]]:
+    """Rounds of one question after each of `num_systems` long system prompts: together more
+    than the device pool holds, so each round finds the last round's prefixes evicted."""
+    systems = [random_tokens(48, seed=100 + s) for s in range(num_systems)]
+    return [[system + random_tokens(5, seed=1000 * r + s) for s, system in enumerate(systems)] for r in range(rounds)]
+
+
+def test_evicted_prefixes_come_back_from_host_memory(checkpoint_dir, plain):
+    path = str(checkpoint_dir("llama"))
+    common = dict(page_size=8, max_model_len=128, max_num_batched_tokens=64)
+    device_pages = 24  # about three requests' worth: four system prompts do not stay
+    tiered = LLM(path, kv_cache_memory_gb=pool_gb(plain, device_pages), kv_offloading_size=pool_gb(plain, 64), **common)
+    untiered = LLM(path, kv_cache_memory_gb=pool_gb(plain, device_pages), **common)
+    rounds = conversations(num_systems=4, rounds=3)
+    for prompts in rounds:
+        expected = run(plain, prompts, PARAMS)
+        assert_same(run(tiered, prompts, PARAMS), expected)
+        assert_same(run(untiered, prompts, PARAMS), expected)
+    with_tier, without = tiered.engine.stats(), untiered.engine.stats()
+    # Rounds two and three: every system prompt's six full pages, from one tier or the other.
+    assert with_tier.prefix_cache_hits >= 2 * 4 * 48
+    assert with_tier.kv_offload_hit_tokens > 0
+    assert with_tier.prefix_cache_hits > without.prefix_cache_hits + with_tier.kv_offload_hit_tokens // 2
+    bytes_per_page = tiered.engine.parts.kv.spec.bytes_per_page()
+    assert with_tier.kv_offload_loaded_bytes == with_tier.kv_offload_hit_tokens // 8 * bytes_per_page
+    assert with_tier.kv_offload_stored_bytes >= with_tier.kv_offload_loaded_bytes
+    assert with_tier.num_used_pages == 0
+    assert with_tier.num_free_pages + with_tier.num_cached_pages == with_tier.num_total_pages
+
+
+def test_a_host_tier_smaller_than_the_prefixes_still_gives_the_same_outputs(checkpoint_dir, plain):
+    """Pages the tier drops, or drops between a lookup and the copy back, are computed again."""
+    path = str(checkpoint_dir("llama"))
+    common = dict(page_size=8, max_model_len=128, max_num_batched_tokens=32)
+    tiny = LLM(path, kv_cache_memory_gb=pool_gb(plain, 16), kv_offloading_size=pool_gb(plain, 4), **common)
+    for prompts in conversations(num_systems=3, rounds=2):
+        assert_same(run(tiny, prompts, PARAMS), run(plain, prompts, PARAMS))
+    assert tiny.engine.stats().num_used_pages == 0
+
+
+def test_preemption_by_swap_beside_the_host_tier(checkpoint_dir, plain):
+    path = str(checkpoint_dir("llama"))
+    tight = LLM(
+        path,
+        page_size=8,
+        max_model_len=112,
+        kv_cache_memory_gb=pool_gb(plain, 16),
+        kv_offloading_size=pool_gb(plain, 32),
+        preemption_mode="swap",
+    )
+    prompts = [p for prompts in conversations(num_systems=2, rounds=3) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    assert_same(run(tight, prompts, params), run(plain, prompts, params))
+    assert tight.engine.num_swapped_out > 0 and tight.engine.stats().num_used_pages == 0
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(kv_offloading_size=0.0), "must be positive"),
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="lmcache"), "'lmcache' is not supported"),
+        (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "needs enable_prefix_caching"),
+        (dict(kv_offloading_size=1.0, tensor_parallel_size=2), "tensor parallelism"),
+    ],
+)
+def test_offloading_options_that_cannot_be_served_are_named(options, message):
+    from kestrel.config import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="unused", **options)
+
+
+def test_a_hybrid_model_is_refused_by_name(checkpoint_dir):
+    with pytest.raises(ValueError, match="recurrent state"):
+        LLM(str(checkpoint_dir("qwen3-next")), page_size=8, kv_offloading_size=0.01)
