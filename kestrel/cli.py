@@ -58,6 +58,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-logprobs {args.max_logprobs} is above {MAX_LOGPROBS}, the most Kestrel returns")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of the formats the model writes)")
+    if args.kv_role is not None and args.tensor_parallel_size > 1:
+        raise ValueError("--kv-role hands over rank 0's state only; it does not run with tensor parallelism yet")
     try:
         asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
     except EngineDeadError as error:  # the core could not start: say why, without a traceback
@@ -67,6 +69,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from kestrel.server.router import run_router as serve_router
+
+    return serve_router(args)
 
 
 def run_latency(args: argparse.Namespace) -> int:
@@ -110,6 +118,12 @@ def add_commands(commands: Any) -> None:
     add_serve_options(serve)
     add_engine_options(serve)
     serve.set_defaults(handler=run_serve)
+
+    router = commands.add_parser("router", help="one OpenAI endpoint in front of prefill and decode instances")
+    from kestrel.server.options import add_router_options
+
+    add_router_options(router)
+    router.set_defaults(handler=run_router)
 
     demo = commands.add_parser("make-demo-model", help="write a small random Qwen3 checkpoint")
     demo.add_argument("output_dir")

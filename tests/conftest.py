@@ -57,6 +57,7 @@ SLOW_MODULES = {
     "tests/server/test_structured_outputs.py",
     "tests/server/test_agent_apis.py",
     "tests/server/test_speculative_server.py",
+    "tests/server/test_disaggregation.py",
 }
 TRITON_MODULES = {
     "tests/core/test_triton_decode_splits.py",

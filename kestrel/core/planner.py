@@ -129,6 +129,9 @@ class _StepBuilder:
         while index < len(running) and self.token_budget > 0:
             request = running[index]
             num_new = self._chunk_size(request)
+            if num_new <= 0:  # all computed, nothing to sample (a prompt-only request): it finishes as read
+                index += 1
+                continue
             new_pages = self._new_pages(request, num_new)
             while new_pages > self.free_pages:
                 victim = running.pop()  # the newest running request gives way

@@ -182,6 +182,14 @@ class RecurrentStateProvider(StateProvider, StepBinder):
             torch.stack([layer.recurrent[slot] for layer in self._layers]).cpu()
         ]
 
+    def export_layout(self, num_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        first = self._layers[0]
+        layers = len(self._layers)
+        return [
+            ((layers, *first.conv.shape[1:]), first.conv.dtype),
+            ((layers, *first.recurrent.shape[1:]), first.recurrent.dtype),
+        ]
+
     def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
         (slot,) = self.reserve(request_id, num_tokens)
         conv, recurrent = state

@@ -194,6 +194,18 @@ class StateProvider(ABC):
     def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
         """Reserve room for `num_tokens` tokens and write `export`'s copies into it."""
 
+    def export_layout(self, num_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each tensor `export` gives for a request of `num_tokens`
+        tokens: what state from another instance must look like to be imported here."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import another instance's state")
+
+    def check_import(self, num_tokens: int, state: list[torch.Tensor]) -> None:
+        """Raise ValueError, saying what differs, where `state` is not what this pool exports."""
+        expected = self.export_layout(num_tokens)
+        got = [(tuple(t.shape), t.dtype) for t in state]
+        if got != expected:
+            raise ValueError(f"state of {num_tokens} tokens: expected tensors {expected}, got {got}")
+
     @abstractmethod
     def layer(self, index: int) -> object:
         """The pool's view of one of the group's layers, as its layers read it."""
@@ -302,6 +314,11 @@ class PagedKVProvider(StateProvider):
         """Every layer's keys and values of the request's pages: [layers, 2, heads, pages, page, dim]."""
         pages = torch.tensor(self.allocator.pages_of(request_id), dtype=torch.long, device=self._storage.device)
         return [self._storage.index_select(3, pages).to("cpu", non_blocking=False)]
+
+    def export_layout(self, num_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        layers, kinds, heads, page_size, head_dim = self.page_shape()
+        pages = self.allocator.pages_needed(num_tokens)
+        return [((layers, kinds, heads, pages, page_size, head_dim), self._storage.dtype)]
 
     def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
         pages = self.reserve(request_id, num_tokens)

@@ -30,7 +30,7 @@ from kestrel.core.batch import KV_GROUP
 from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChunk, StepPlan
 from kestrel.core.runner import PendingStep, SequenceResult, SequenceWork
 from kestrel.core.sampling import SampledToken, TokenLogprobs
-from kestrel.core.transfer import HostSwap
+from kestrel.core.transfer import HostSwap, TransferHandle
 from kestrel.engine.admission import check_prompt_tokens, resolve_max_tokens
 from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -122,7 +122,10 @@ class LLMEngine:
         self._prefix = PrefixReuse(self.parts.kv, self.parts.recurrent, args.state_snapshot_interval)
         self._prefix_hits: dict[str, PrefixHit] = {}  # this step's cache hits of waiting requests
         self._overlap = args.async_scheduling
-        self._swap = HostSwap(self.parts.groups) if args.preemption_mode == "swap" else None
+        # Moves requests' state to host memory and back: preempted requests (with
+        # preemption_mode "swap"), and prompts handed between prefill and decode instances.
+        self._transfer = HostSwap(self.parts.groups)
+        self._swap_preempted = args.preemption_mode == "swap"
         self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
         self._in_flight: _InFlightStep | None = None
         self.structured = self._structured_outputs(args)
@@ -168,8 +171,18 @@ class LLMEngine:
         resolve_max_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len, strict=False)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        export_state: bool = False,
+        imported_state: TransferHandle | None = None,
     ) -> None:
+        """Queue a request. Disaggregated serving: `export_state` (a prefill instance) computes
+        the prompt, samples nothing, and hands its state out in the finished output's
+        `kv_state`; `imported_state` (a decode instance) starts the request from a prefill
+        instance's state of every prompt token but the last."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
@@ -194,8 +207,31 @@ class LLMEngine:
             prompt=prompt,
             arrival_time=time.monotonic(),
         )
+        if export_state or imported_state is not None:
+            self._check_handoff(request, imported_state)
+        request.export_state = export_state
+        if export_state:
+            request.max_tokens = 0
+        if imported_state is not None and imported_state.num_tokens:
+            # Imported at admission, as a swapped-out request is, under this request's id.
+            request.swapped = dataclasses.replace(imported_state, request_id=request_id)
+            request.num_computed_tokens = imported_state.num_tokens
         self._requests[request_id] = request
         self._waiting.append(request)
+
+    def _check_handoff(self, request: Request, imported: TransferHandle | None) -> None:
+        if self.parts.args.tensor_parallel_size > 1:
+            raise ValueError("prefill/decode handoff moves rank 0's state only; not with tensor parallelism yet")
+        if imported is None:
+            return
+        if request.params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs need every prompt position computed here, not a prefill instance's state")
+        if imported.num_tokens != request.num_prompt_tokens - 1:
+            raise ValueError(
+                f"the prefill instance computed {imported.num_tokens} tokens; this prompt has "
+                f"{request.num_prompt_tokens} (the two instances tokenized it differently)"
+            )
+        self._transfer.check_import(imported)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self._requests.get(request_id)
@@ -376,8 +412,8 @@ class LLMEngine:
             request = self._requests[request_id]
             self._running.remove(request)
             request.draft_token_ids = ()
-            if self._swap is not None:
-                request.swapped = self._swap.export(request_id, request.num_computed_tokens)
+            if self._swap_preempted:
+                request.swapped = self._transfer.export(request_id, request.num_computed_tokens)
                 self.num_swapped_out += 1
             self._release_pages(request)
             request.status = RequestStatus.WAITING
@@ -399,7 +435,7 @@ class LLMEngine:
         # evict cached pages, and none of those may be a page an admitted request was promised.
         for request in admitted:
             if request.swapped is not None:
-                self._swap.import_(request.swapped)  # its pages and slots, filled from host memory
+                self._transfer.import_(request.swapped)  # its pages and slots, filled from host memory
                 request.swapped = None
         self._prefix.load_from_host()
 
@@ -544,6 +580,8 @@ class LLMEngine:
             self._running.remove(request)
         if request in self._waiting:
             self._waiting.remove(request)
+        if request.export_state and request.finish_reason == "length":  # computed to the end, not aborted
+            request.exported = self._transfer.export(request.request_id, request.num_computed_tokens)
         self._release_pages(request)
         self.parts.executor.release(request.request_id)
         if self.speculation is not None:
@@ -552,7 +590,8 @@ class LLMEngine:
         if self.structured is not None:
             self.structured.remove(request.request_id)
         del self._requests[request.request_id]
-        return self._output(request)
+        output = self._output(request)
+        return dataclasses.replace(output, kv_state=request.exported) if request.exported else output
 
     def _output(self, request: Request) -> RequestOutput:
         return self.outputs.output(request)

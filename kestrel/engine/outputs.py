@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kestrel.core.transfer import TransferHandle
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # A finished request added with `export_state`: its computed state, for a decode instance.
+    kv_state: TransferHandle | None = None

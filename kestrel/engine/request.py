@@ -33,7 +33,11 @@ class Request:
     draft_token_ids: tuple[int, ...] = ()
     num_draft_tokens: int = 0  # drafts checked so far, and how many of them stood
     num_accepted_tokens: int = 0
-    swapped: TransferHandle | None = None  # its state in host memory while preempted by swap
+    # Its state in host memory: while preempted by swap, or as a prefill instance handed it over.
+    swapped: TransferHandle | None = None
+    # A prefill instance's request: its computed state is exported when it finishes (`exported`).
+    export_state: bool = False
+    exported: TransferHandle | None = None
     status: RequestStatus = RequestStatus.WAITING
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None

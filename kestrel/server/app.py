@@ -12,6 +12,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kestrel
+from kestrel.server.disaggregation import RemoteDecode
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
 from kestrel.server.errors import BodySizeLimit, install_error_handlers
 from kestrel.server.formatting import chat_logprobs, legacy_logprobs, text_offsets, token_id_piece, usage
@@ -118,6 +119,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _chat(state, body, request)
 
+    @app.get("/v1/kv_transfer/{transfer_id}", dependencies=[Depends(require_key)])
+    async def kv_transfer(transfer_id: str) -> Response:
+        """A prefilled state, once, for the decode instance (server/disaggregation.py)."""
+        return Response(state.transfers.take(transfer_id), media_type="application/octet-stream")
+
     @app.post("/v1/messages", dependencies=[Depends(require_key)])
     async def messages(body: MessagesRequest, request: Request) -> Response:
         return await create_message(state, body, request)
@@ -173,6 +179,9 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         body, body.max_tokens, state, "prompt", constraint, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
     generation = generation_for(state, body, prompts, params_for)
+    if isinstance(generation.handoff, RemoteDecode):
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        return await _prefill_for_decode(state, generation, request, "text_completion", choice)
     if body.stream:
         return _sse(_completion_chunks(state, body, generation))
     results = await collect_results(generation, request)
@@ -253,12 +262,49 @@ async def _completion_chunks(
         yield _chunk(state, generation, "text_completion", None, usage(prompt_tokens, completion_tokens))
 
 
+async def _prefill_for_decode(
+    state: ServerState, generation: Generation, request: Request, object_name: str, choice: dict
+) -> Response:
+    """A prefill instance's answer: every prompt token but the last computed, their state held
+    for the decode instance that `kv_transfer_params` name, and nothing generated."""
+    (prompt,) = generation.prompts
+    num_tokens = len(prompt.token_ids) - 1
+    transfer_id = None
+    if num_tokens == 0:  # a one-token prompt: the decode instance computes it all
+        state.client.release(generation.num_choices)
+    else:
+        results = await collect_results(generation, request)
+        if results is None:
+            return Response(status_code=499)
+        (result,) = results
+        if result.kv_state is None:
+            raise ApiError(
+                503, f"the prefill ended before its state was handed out ({result.finish_reason})", "Aborted"
+            )
+        transfer_id = state.transfers.put(result.kv_state)
+    return JSONResponse(
+        {
+            "id": f"prefill-{generation.request_id}",
+            "object": object_name,
+            "created": generation.created,
+            "model": state.settings.served_model_name,
+            "choices": [choice],
+            "usage": usage(len(prompt.token_ids), 0),
+            "kv_transfer_params": {"transfer_id": transfer_id, "num_tokens": num_tokens},
+        }
+    )
+
+
 # ---- chat -----------------------------------------------------------------------------------
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     prepared = await prepare_chat(state, body)
     prompt, generation, chat, logprobs = prepared.prompt, prepared.generation, prepared.chat, prepared.logprobs
+    if isinstance(generation.handoff, RemoteDecode):
+        message = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
+        return await _prefill_for_decode(state, generation, request, "chat.completion", choice)
     if body.stream:
         return _sse(_chat_chunks(state, body, generation, chat))
     results = await collect_results(generation, request)
@@ -369,6 +415,8 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             yield f"data: {json.dumps(bad_request(str(error)).body())}\n\n"
         except EngineDeadError as error:
             yield f"data: {json.dumps(ApiError(503, str(error), 'ServiceUnavailableError').body())}\n\n"
+        except ApiError as error:  # e.g. the prefilled state could not be fetched
+            yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

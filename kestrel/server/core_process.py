@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 
 from kestrel.config import EngineArgs
+from kestrel.core.transfer import decode_handle, encode_handle
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.outputs import RequestOutput
 from kestrel.sampling_params import RequestOutputKind
@@ -55,6 +56,7 @@ class DeltaTracker:
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             queue_seconds=_queue_seconds(output) if first else None,
+            kv_state=encode_handle(output.kv_state) if output.kv_state is not None else None,
         )
 
     def forget(self, request_id: str) -> None:
@@ -112,7 +114,16 @@ def _handle(engine: LLMEngine, tracker: DeltaTracker, message: object) -> list[R
     if isinstance(message, AddRequest):
         try:
             params = message.params.replace(output_kind=RequestOutputKind.DELTA)
-            engine.add_request(message.request_id, message.prompt_token_ids, params)
+            imported = None
+            if message.imported_state is not None:
+                imported = decode_handle(message.imported_state, location="remote prefill instance")
+            engine.add_request(
+                message.request_id,
+                message.prompt_token_ids,
+                params,
+                export_state=message.export_state,
+                imported_state=imported,
+            )
         except ValueError as error:
             return [RequestFailed(message.request_id, str(error))]
         tracker.track(message)

@@ -130,10 +130,17 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reserved: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        reserved: bool = False,
+        export_state: bool = False,
+        imported_state: bytes | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Deltas for one request until it finishes; leaving early aborts it in the core.
-        `reserved`: the request takes over a seat that `reserve` held for it."""
+        `reserved`: the request takes over a seat that `reserve` held for it. `export_state` and
+        `imported_state`: disaggregated serving's handoff (`LLMEngine.add_request`)."""
         if reserved:
             self.release(1)
         if self.dead_reason is not None:
@@ -141,7 +148,7 @@ class EngineClient:
         pending = _Pending(asyncio.Queue())
         self._pending[request_id] = pending
         try:
-            self._conn.send(AddRequest(request_id, prompt_token_ids, params))
+            self._conn.send(AddRequest(request_id, prompt_token_ids, params, export_state, imported_state))
             while True:
                 item = await pending.queue.get()
                 if isinstance(item, EngineDeadError):

@@ -13,6 +13,7 @@ from typing import Any
 from kestrel.engine import admission
 from kestrel.engine.outputs import PositionLogprobs
 from kestrel.sampling_params import SamplingParams
+from kestrel.server.disaggregation import Handoff, RemoteDecode, RemotePrefill, fetch_state
 from kestrel.server.engine_client import EngineClient
 from kestrel.server.messages import RequestDelta
 from kestrel.server.metrics import RequestTimer, ServerMetrics
@@ -39,8 +40,10 @@ class ChoiceResult:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_state: bytes | None = None  # a prefill instance's request: the state it hands out
 
     def absorb(self, delta: RequestDelta) -> None:
+        self.kv_state = delta.kv_state or self.kv_state
         self.text += delta.new_text
         self.token_ids += delta.new_token_ids
         self.logprobs += delta.new_logprobs or []
@@ -77,6 +80,10 @@ class Generation:
     params: SamplingParams
     n: int
     log_requests: bool = True  # one info line per finished choice (never the prompt text)
+    # Disaggregated serving: compute the prompt for a decode instance, or start from the
+    # state a prefill instance computed (server/disaggregation.py).
+    handoff: Handoff | None = None
+    fetch_headers: dict[str, str] = field(default_factory=dict)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     # Choices sent to the engine so far; the rest hold seats reserved at admission.
@@ -116,8 +123,9 @@ class Generation:
         finish_reason = None
         self._num_sent += 1  # the generator registers the request, taking its seat, on its first step
         try:
+            token_ids, export, imported = await self._handoff_inputs(prompt)
             async for delta in self.client.generate(
-                engine_id, prompt.token_ids, self.choice_params(index), reserved=True
+                engine_id, token_ids, self.choice_params(index), True, export, imported
             ):
                 now = time.monotonic()
                 timer.tokens(now, len(delta.new_token_ids), delta.queue_seconds)
@@ -142,6 +150,17 @@ class Generation:
             raise
         except Exception as error:  # handed to the consumer, which decides the HTTP answer
             merged.put_nowait(error)
+
+    async def _handoff_inputs(self, prompt: PreparedPrompt) -> tuple[list[int], bool, bytes | None]:
+        """The engine request's tokens, whether it exports its state, and the state it imports.
+        A prefill instance computes all but the last token: the decode instance computes that
+        one, so its own sampler draws the first output token."""
+        handoff = self.handoff
+        if isinstance(handoff, RemoteDecode):
+            return prompt.token_ids[:-1], True, None
+        if isinstance(handoff, RemotePrefill) and handoff.transfer_id is not None:
+            return prompt.token_ids, False, await fetch_state(handoff, self.fetch_headers, self.metrics)
+        return prompt.token_ids, False, None
 
     async def collect(self) -> list[ChoiceResult]:
         results = [ChoiceResult(i, self.prompts[i // self.n]) for i in range(self.num_choices)]

@@ -15,6 +15,8 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    export_state: bool = False  # a prefill instance's request: hand its state out when it finishes
+    imported_state: bytes | None = None  # a decode instance's: start from this prefilled state
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class RequestDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     queue_seconds: float | None  # arrival to first scheduling, sent once
+    kv_state: bytes | None = None  # with the last delta of an `export_state` request
 
 
 @dataclass(frozen=True)

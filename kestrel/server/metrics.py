@@ -88,6 +88,13 @@ class ServerMetrics:
             ),
         }
         self._seen_totals = dict.fromkeys(self._totals, 0.0)
+        # Prefill/decode handoff (server/disaggregation.py).
+        self.kv_transfer_pending = gauge("kv_transfer_pending", "Prefilled states held for a decode instance.")
+        self.kv_transfer_pending_bytes = gauge("kv_transfer_pending_bytes", "Bytes of the prefilled states held.")
+        self.kv_transfer_sent_bytes = counter("kv_transfer_sent_bytes", "Prefilled state bytes fetched from here.")
+        self.kv_transfer_expired = counter("kv_transfer_expired", "Prefilled states dropped unfetched.")
+        self.kv_transfer_received_bytes = counter("kv_transfer_received_bytes", "Prefilled state bytes fetched.")
+        self.kv_transfer_seconds = histogram("kv_transfer_seconds", "Time to fetch a prefilled state.")
         # Plain running totals beside the counters, for the periodic stats line.
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")

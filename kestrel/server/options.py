@@ -57,3 +57,24 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disable-log-stats", action="store_true", help="no periodic engine stats (running, waiting, KV, tokens/s)"
     )
+    parser.add_argument(
+        "--kv-role",
+        default=None,
+        choices=["prefill", "decode"],
+        help="disaggregated serving: compute prompts and hand their state to decode instances (prefill), "
+        "or start from a prefill instance's state (decode); `kestrel router` sends each request to both",
+    )
+    parser.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=60.0,
+        help="prefill instances: seconds a computed prompt's state waits to be fetched before it is dropped",
+    )
+
+
+def add_router_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="+", required=True, help="prefill instances' base URLs")
+    parser.add_argument("--decode", nargs="+", required=True, help="decode instances' base URLs")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
+from kestrel.server.disaggregation import parse_handoff
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
 from kestrel.server.generation import (
     ChoiceResult,
@@ -61,8 +62,21 @@ def generation_for(
     params = None
     for prompt in prompts:
         params = params_for(len(prompt.token_ids))  # validates each prompt against the context window
+    handoff = parse_handoff(body.kv_transfer_params, state.settings.kv_role, body.n, bool(body.stream))
+    if handoff is not None and len(prompts) != 1:
+        raise bad_request("kv_transfer_params hand over one prompt; send one", "kv_transfer_params")
     state.check_capacity(len(prompts) * body.n)
-    return Generation(state.client, state.metrics, prompts, params, body.n, state.settings.log_requests)
+    api_key = state.settings.api_key  # the instances of one deployment share it
+    return Generation(
+        state.client,
+        state.metrics,
+        prompts,
+        params,
+        body.n,
+        state.settings.log_requests,
+        handoff=handoff,
+        fetch_headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+    )
 
 
 def sampling_for(
@@ -131,6 +145,10 @@ async def collect_results(generation: Generation, request: Request) -> list[Choi
 def with_extra_fields(fields: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
     """A translated request's chat fields plus the chat fields its sender added beside the
     API's own (vLLM's `top_k`, `guided_regex`, ... in `extra_body`), so none is dropped."""
+    if (extra or {}).get("kv_transfer_params") is not None:
+        raise bad_request(
+            "kv_transfer_params are served on /v1/completions and /v1/chat/completions", "kv_transfer_params"
+        )
     known = set(ChatCompletionRequest.model_fields) | set(NOT_YET_SUPPORTED)
     return {**{key: value for key, value in (extra or {}).items() if key in known}, **fields}
 

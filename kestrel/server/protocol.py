@@ -58,6 +58,9 @@ class SamplingFields(BaseModel):
     """The fields completions and chat completions share."""
 
     model_config = ConfigDict(extra="ignore")
+    # Disaggregated serving (vLLM's field): what a prefill or decode instance does with this
+    # request's state (server/disaggregation.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     model: str | None = None
     n: int = 1

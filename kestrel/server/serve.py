@@ -110,6 +110,8 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=engine_args.reasoning_parser,
+        kv_role=args.kv_role,
+        kv_transfer_timeout=args.kv_transfer_timeout,
     )
     state = ServerState(settings, client, tokenizer)
     app = build_app(state)

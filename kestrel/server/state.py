@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.engine.reasoning import reasoning_format
+from kestrel.server.disaggregation import TransferStore
 from kestrel.server.engine_client import EngineClient
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.protocol import ApiError, bad_request
@@ -28,6 +29,8 @@ class ServerSettings:
     max_logprobs: int = 20
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" works
     reasoning_parser: str | None = None
+    kv_role: str | None = None  # "prefill" | "decode": this instance's part in disaggregated serving
+    kv_transfer_timeout: float = 60.0  # seconds a prefilled state waits for its decode instance
 
 
 class ServerState:
@@ -42,6 +45,7 @@ class ServerState:
         parser = settings.tool_call_parser
         self.tool_parser = TOOL_CALL_PARSERS[parser]() if parser is not None else None
         self.reasoning = reasoning_format(settings.reasoning_parser) if settings.reasoning_parser else None
+        self.transfers = TransferStore(settings.kv_transfer_timeout, self.metrics)
 
     @property
     def max_model_len(self) -> int:

@@ -104,3 +104,9 @@ def test_chunks_stop_at_every_snapshot_interval():
     assert [(c.request_id, c.num_new_tokens) for c in result.scheduled] == [("fresh", 8), ("resumed", 3), ("decode", 1)]
     ends = [c.num_computed_tokens + c.num_new_tokens for c in result.scheduled]
     assert ends[:2] == [8, 8]
+
+
+def test_a_running_request_with_nothing_left_to_compute_gets_no_chunk():
+    # A prompt-only request (a prefill instance's) whose last chunk is launched but not read yet.
+    result = plan(running=[view("done", 12, computed=12), view("b", 21, computed=20)], budget=16)
+    assert [(c.request_id, c.num_new_tokens) for c in result.scheduled] == [("b", 1)]

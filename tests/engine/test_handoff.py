@@ -1,0 +1,80 @@
+"""Handing a prompt's state from one engine to another (disaggregated prefill and decode),
+through the wire format, against one engine doing both."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.core.transfer import decode_handle, encode_handle
+from tests.engine.test_prefix_caching import assert_same, random_tokens
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+
+def finish(llm: LLM) -> list:
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += [o for o in llm.engine.step() if o.finished]
+    return outputs
+
+
+def prefilled(prefill: LLM, prompt: list[int]):
+    """The state of every prompt token but the last, as bytes for the wire."""
+    prefill.engine.add_request("prefill", prompt[:-1], PARAMS, export_state=True)
+    (output,) = finish(prefill)
+    assert output.outputs[0].token_ids == [] and output.outputs[0].finish_reason == "length"
+    return encode_handle(output.kv_state)
+
+
+def decoded(decode: LLM, prompt: list[int], data: bytes, request_id: str = "decode"):
+    decode.engine.add_request(request_id, prompt, PARAMS, imported_state=decode_handle(data, "test"))
+    (output,) = finish(decode)
+    return [(output.outputs[0].token_ids, [list(lp.items()) for lp in output.outputs[0].logprobs])]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-next"])
+def test_decoding_from_another_engines_prefill_equals_one_engine(checkpoint_dir, family):
+    path = str(checkpoint_dir(family))
+    prefill, decode = LLM(path, page_size=8), LLM(path, page_size=8)
+    alone = LLM(path, page_size=8, enable_prefix_caching=False)
+    for length in (2, 9, 37):
+        prompt = random_tokens(length, seed=length)
+        expected = alone.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0].outputs[0]
+        got = decoded(decode, prompt, prefilled(prefill, prompt))
+        assert_same(got, [(expected.token_ids, [list(lp.items()) for lp in expected.logprobs])])
+    for llm in (prefill, decode):
+        stats = llm.engine.stats()
+        assert stats.num_used_pages == 0 and stats.num_used_state_slots == 0
+
+
+def test_state_that_does_not_fit_is_refused_by_name(checkpoint_dir):
+    path = str(checkpoint_dir("llama"))
+    prefill = LLM(path, page_size=8)
+    prompt = random_tokens(20, seed=3)
+    data = prefilled(prefill, prompt)
+    decode = LLM(path, page_size=8)
+    with pytest.raises(ValueError, match="tokenized it differently"):
+        decode.engine.add_request("a", prompt + [1], PARAMS, imported_state=decode_handle(data, "test"))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+        decode.engine.add_request("b", prompt, params, imported_state=decode_handle(data, "test"))
+    other_pages = LLM(path, page_size=16)
+    with pytest.raises(ValueError, match="state group 'kv'.*expected tensors"):
+        other_pages.engine.add_request("c", prompt, PARAMS, imported_state=decode_handle(data, "test"))
+    hybrid = LLM(str(checkpoint_dir("qwen3-next")), page_size=8)
+    with pytest.raises(ValueError, match="state groups"):
+        hybrid.engine.add_request("d", prompt, PARAMS, imported_state=decode_handle(data, "test"))
+    assert not decode.engine.has_unfinished_requests() and not other_pages.engine.has_unfinished_requests()
+
+
+def test_bytes_that_are_not_a_transfer_are_refused():
+    with pytest.raises(ValueError, match="not a Kestrel state transfer"):
+        decode_handle(b"not a transfer at all", "test")
+    buffer = io.BytesIO()
+    torch.save({"request_id": "x", "num_tokens": 1, "state": {"kv": ["text"]}}, buffer)
+    with pytest.raises(ValueError, match="other than tensors"):
+        decode_handle(buffer.getvalue(), "test")

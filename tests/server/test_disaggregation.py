@@ -1,0 +1,228 @@
+"""Prefill/decode disaggregation: a prefill instance, a decode instance and the router, as
+processes, spoken to with the openai client; their answers against one instance's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL_NAME, ROOT, ServerProcess, free_port
+
+COMMON = ("--page-size", "8", "--max-model-len", "512")
+
+
+class RouterProcess:
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "kestrel", "router", "--host", "127.0.0.1", "--port", str(self.port)]
+        command += ["--prefill", *prefill, "--decode", *decode, "--timeout", "60"]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-router-", suffix=".log")  # noqa: SIM115
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"router exited: {Path(self.log.name).read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("router did not start")
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, **options)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def deployment(server_model):
+    """One instance alone, and a prefill instance + a decode instance behind the router."""
+    single = ServerProcess(server_model, *COMMON)
+    prefill = ServerProcess(server_model, *COMMON, "--kv-role", "prefill", "--kv-transfer-timeout", "30")
+    decode = ServerProcess(server_model, *COMMON, "--kv-role", "decode")
+    router = RouterProcess([prefill.base_url], [decode.base_url])
+    yield single, prefill, decode, router
+    router.stop()
+    for server in (single, prefill, decode):
+        server.stop()
+
+
+def direct(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+
+
+def completion_tokens(client: openai.OpenAI, prompt, **options) -> tuple[str, list]:
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+        **options,
+    )
+    choice = response.choices[0]
+    return choice.text, choice.logprobs.token_logprobs
+
+
+def test_disaggregated_answers_equal_one_instance(deployment):
+    single, prefill, decode, router = deployment
+    prompts = ["The quick brown fox", "A" * 300, [5, 9, 2, 44, 7, 13] * 20, [42]]  # the last: one token
+    for prompt in prompts:
+        expected_text, expected_logprobs = completion_tokens(direct(single), prompt)
+        text, logprobs = completion_tokens(router.client(), prompt)
+        assert text == expected_text
+        assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chat = dict(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    expected = direct(single).chat.completions.create(**chat).choices[0].message.content
+    assert router.client().chat.completions.create(**chat).choices[0].message.content == expected
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in router.client().chat.completions.create(**chat, stream=True)
+        if chunk.choices
+    )
+    assert streamed == expected
+    # Every page back on both sides; every prefilled state fetched once.
+    assert prefill.metric("kv_transfer_pending") == 0 and prefill.metric("kv_transfer_sent_bytes") > 0
+    assert decode.metric("kv_transfer_received_bytes") == prefill.metric("kv_transfer_sent_bytes")
+    assert prefill.metric("kv_cache_used_pages") == 0 and decode.metric("kv_cache_used_pages") == 0
+
+
+def test_a_client_that_leaves_mid_stream_leaves_no_pages(deployment):
+    _, prefill, decode, router = deployment
+    stream = router.client().completions.create(
+        model=MODEL_NAME, prompt="Count with me", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    for index, _ in enumerate(stream):
+        if index == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while decode.metric("kv_cache_used_pages") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert decode.metric("kv_cache_used_pages") == 0 and prefill.metric("kv_cache_used_pages") == 0
+    assert prefill.metric("kv_transfer_pending") == 0
+
+
+def test_handoff_fields_are_checked(deployment):
+    single, prefill, decode, _ = deployment
+    body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 4}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for server, params, message in [
+        (single, {"do_remote_decode": True}, "--kv-role prefill"),
+        (prefill, {"do_remote_prefill": True, "remote_host": "x", "remote_port": 1, "num_tokens": 3}, "--kv-role"),
+        (prefill, {"something": 1}, "do_remote_decode or do_remote_prefill"),
+        (decode, {"do_remote_prefill": True, "remote_host": "127.0.0.1"}, "remote_port"),
+    ]:
+        response = httpx.post(
+            f"{server.base_url}/v1/completions", json={**body, "kv_transfer_params": params}, headers=headers
+        )
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
+    # A transfer id the prefill instance never gave: the decode instance says where it failed.
+    bogus = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": prefill.port,
+        "transfer_id": "0" * 32,
+        "num_tokens": 2,
+    }
+    response = httpx.post(
+        f"{decode.base_url}/v1/completions", json={**body, "kv_transfer_params": bogus}, headers=headers
+    )
+    assert response.status_code == 502 and "no prefilled state" in response.json()["error"]["message"]
+    # State of the wrong length for this prompt: refused by the engine, by name.
+    handoff = httpx.post(
+        f"{prefill.base_url}/v1/completions",
+        json={**body, "prompt": "Hello there, a longer prompt", "kv_transfer_params": {"do_remote_decode": True}},
+        headers=headers,
+    ).json()["kv_transfer_params"]
+    mismatched = {**bogus, **handoff}
+    response = httpx.post(
+        f"{decode.base_url}/v1/completions", json={**body, "kv_transfer_params": mismatched}, headers=headers
+    )
+    assert response.status_code == 400 and "tokenized differently" in response.json()["error"]["message"]
+    assert decode.metric("kv_cache_used_pages") == 0
+
+
+def test_unfetched_state_expires(server_model):
+    prefill = ServerProcess(server_model, *COMMON, "--kv-role", "prefill", "--kv-transfer-timeout", "0.5")
+    try:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "Hello there",
+            "max_tokens": 4,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        handoff = httpx.post(f"{prefill.base_url}/v1/completions", json=body, headers=headers).json()
+        transfer_id = handoff["kv_transfer_params"]["transfer_id"]
+        assert prefill.metric("kv_transfer_pending") == 1
+        time.sleep(1.0)
+        fetched = httpx.get(f"{prefill.base_url}/v1/kv_transfer/{transfer_id}", headers=headers)
+        assert fetched.status_code == 404 and "expired" in fetched.json()["error"]["message"]
+        assert prefill.metric("kv_transfer_pending") == 0 and prefill.metric("kv_transfer_expired") == 1
+        assert prefill.metric("kv_cache_used_pages") == 0
+    finally:
+        prefill.stop()
+
+
+def test_a_dead_instance_fails_requests_clearly(server_model):
+    prefill = ServerProcess(server_model, *COMMON, "--kv-role", "prefill")
+    decode = ServerProcess(server_model, *COMMON, "--kv-role", "decode")
+    router = RouterProcess([prefill.base_url], [decode.base_url])
+    try:
+        client = router.client(max_retries=0, timeout=30)
+        stream = client.completions.create(
+            model=MODEL_NAME, prompt="Go on", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(stream)
+        next(chunks)
+        for pid in [decode.process.pid, *decode.core_pids()]:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="decode instance"):
+            for _ in chunks:
+                pass
+        for pid in [prefill.process.pid, *prefill.core_pids()]:
+            os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failure:
+            client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4)
+        assert failure.value.status_code == 502 and "prefill instance" in str(failure.value)
+        assert time.monotonic() - start < 15
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_hybrid_model_hands_over_its_recurrent_state(checkpoint_dir):
+    model = checkpoint_dir("qwen3-next")
+    single = ServerProcess(model, *COMMON)
+    prefill = ServerProcess(model, *COMMON, "--kv-role", "prefill")
+    decode = ServerProcess(model, *COMMON, "--kv-role", "decode")
+    router = RouterProcess([prefill.base_url], [decode.base_url])
+    try:
+        for prompt in (list(range(3, 60)), "a short one"):
+            assert completion_tokens(router.client(), prompt)[0] == completion_tokens(direct(single), prompt)[0]
+        assert decode.metric("kv_cache_used_pages") == 0 and prefill.metric("kv_transfer_pending") == 0
+    finally:
+        router.stop()
+        for server in (single, prefill, decode):
+            server.stop()
