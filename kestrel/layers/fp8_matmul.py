@@ -37,7 +37,8 @@ def _quantize_rows_kernel(
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        quantized = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
+        # IEEE division (`/` is approximate on the GPU): rounds to e4m3 as torch does.
+        quantized = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -E4M3_MAX, E4M3_MAX)
         tl.store(
             out_ptr + row * stride_out + start + cols, quantized.to(out_ptr.dtype.element_ty), mask=start + cols < K
         )

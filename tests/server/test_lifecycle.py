@@ -54,6 +54,17 @@ def test_overload_is_429_and_sigterm_aborts_what_is_left(server_model):
     assert not status.exists() or "zombie" in status.read_text().lower()
 
 
+async def running(client: httpx.AsyncClient, count: int, timeout: float = 30) -> None:
+    """Wait until the server reports `count` requests running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in (await client.get("/metrics")).text.splitlines():
+            if line.startswith("kestrel:num_requests_running{") and float(line.rsplit(" ", 1)[1]) >= count:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{count} requests never ran at once")
+
+
 def test_sigterm_lets_short_requests_finish(server_model):
     server = ServerProcess(server_model, "--shutdown-timeout", "20")
 
@@ -61,7 +72,7 @@ def test_sigterm_lets_short_requests_finish(server_model):
         async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=60) as client:
             body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
             tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
-            await asyncio.sleep(0.2)
+            await running(client, 2)  # both admitted before the signal, however busy the machine is
             server.terminate()
             return await asyncio.gather(*tasks)
 
