@@ -19,6 +19,23 @@ from kestrel.layers import gemv
 E4M3_MAX = tl.constexpr(448.0)
 # A row of zeros still gets a usable scale (its values quantize to zero either way).
 MIN_SCALE = tl.constexpr(1e-12)
+E4M3_SMALLEST_NORMAL = tl.constexpr(2.0**-6)  # below it e4m3 is evenly spaced, 2**-9 apart
+E4M3_SUBNORMAL_SHIFT = tl.constexpr(1.5 * 2.0**14)  # float32 values near it are 2**-9 apart
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, within e4m3's range) rounded to the nearest e4m3 value, ties to even, as
+    torch rounds. Converting the result to e4m3 is then exact: the GPU's own conversion
+    rounds through float16 first, and that double rounding moved about one value in 1,500
+    to the other neighbour."""
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal values: keep 3 of float32's 23 mantissa bits, rounding the 20 dropped to even.
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = kept.to(tl.float32, bitcast=True)
+    # Below e4m3's normals: float32's own rounding at a magnitude whose spacing is 2**-9.
+    subnormal = (x + E4M3_SUBNORMAL_SHIFT) - E4M3_SUBNORMAL_SHIFT
+    return tl.where(tl.abs(x) < E4M3_SMALLEST_NORMAL, subnormal, normal)
 
 
 @triton.jit
@@ -33,12 +50,12 @@ def _quantize_rows_kernel(
     for start in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
         largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(largest, axis=0) / E4M3_MAX, MIN_SCALE)
+    scale = tl.maximum(tl.math.div_rn(tl.max(largest, axis=0), tl.full([], E4M3_MAX, tl.float32)), MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        # IEEE division (`/` is approximate on the GPU): rounds to e4m3 as torch does.
-        quantized = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -E4M3_MAX, E4M3_MAX)
+        # IEEE division: `/` is approximate on the GPU.
+        quantized = _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -E4M3_MAX, E4M3_MAX))
         tl.store(
             out_ptr + row * stride_out + start + cols, quantized.to(out_ptr.dtype.element_ty), mask=start + cols < K
         )

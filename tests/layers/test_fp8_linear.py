@@ -9,7 +9,9 @@ import os
 import pytest
 import torch
 import triton
+import triton.language as tl
 
+from kestrel.layers.fp8_matmul import _round_to_e4m3
 from kestrel.layers.linear import ColumnParallelLinear, ShardSlice
 from kestrel.layers.quantized import Fp8Weight, quantize_fp8, quantize_linears, round_rows_through_fp8
 
@@ -115,3 +117,24 @@ def test_a_moe_model_in_fp8_keeps_its_experts_in_float8_and_its_router_as_loaded
     # Measured: largest 0.25 nats over 8 tokens (the dense tiny Llama in fp8: 0.19); a wrong
     # scale or layout moves logprobs by whole nats.
     assert max(differences) < 0.5 and sum(differences) / len(differences) < 0.25
+
+
+@triton.jit
+def _rounded(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, _round_to_e4m3(x), mask=offsets < n)
+
+
+@pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_activations_round_to_e4m3_as_torch_rounds():
+    """The kernel's own rounding (the GPU's conversion rounds through float16 first): every
+    value, normal and subnormal, positive and negative, to torch's e4m3 neighbour."""
+    torch.manual_seed(5)
+    device = "cuda" if CUDA else "cpu"
+    x = (torch.randn(8192) * torch.exp2(torch.randint(-12, 9, (8192,)).float())).clamp(-448, 448)
+    ties = torch.tensor([1.0625, 1.1875, -1.0625, 2**-9 * 1.5, 2**-9 * 2.5, 240.0, 464.0 - 16])  # halfway points
+    x = torch.cat([x, ties]).to(device)
+    out = torch.empty_like(x)
+    _rounded[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out.cpu(), x.cpu().to(torch.float8_e4m3fn).float())
