@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +19,6 @@ from kestrel.bench.limits import ExpertStack
 from kestrel.layers.fused_moe import (
     MatvecLaunch,
     MoeLaunch,
-    _grouped_matmul,
     expected_repeats,
     expert_matvecs,
     fused_moe,
@@ -39,25 +37,10 @@ MATVECS = [
 
 
 def matvec_candidates() -> list:
-    """For decode steps whose rows share no expert: (gate/up, down) matvec launch pairs, and
-    the alternative they replaced, each routed row as its own tile of the grouped matmuls
-    (`OneRowTiles`), so the sweep shows which is faster on the GPU at hand."""
-    return list(itertools.product(MATVECS, MATVECS)) + [OneRowTiles(MoeLaunch(16, n, 128)) for n in (64, 128)]
-
-
-@dataclass(frozen=True)
-class OneRowTiles:
-    """Each routed row a block of its own in the grouped matmuls (15 of the tile's 16 rows
-    padding), then torch's sum over each token's experts."""
-
-    launch: MoeLaunch
-
-    def __call__(self, x, w13, w2, weights, experts) -> torch.Tensor:
-        tokens, top_k = experts.shape
-        rows, flat = tokens * top_k, experts.flatten().int()
-        act = _grouped_matmul(x, w13, None, flat, rows, top_k, self.launch, silu_and_mul=True)
-        down = _grouped_matmul(act, w2, None, flat, rows, 1, self.launch, weights.flatten().contiguous())
-        return down.view(tokens, top_k, -1).sum(dim=1)
+    """For decode steps whose rows share no expert: (gate/up, down) matvec launch pairs. (Each
+    routed row as its own 16-row tile of the grouped matmuls, what they replaced, measured
+    slower on an H100: docs/benchmarks.md.)"""
+    return list(itertools.product(MATVECS, MATVECS))
 
 
 def candidates(tokens: int) -> list[MoeLaunch]:
@@ -102,8 +85,6 @@ def sweep_shape(num_experts: int, top_k: int, hidden: int, inter: int, tokens_li
         def step(launch, x=x, weights=weights, experts=experts) -> torch.Tensor:
             if isinstance(launch, tuple):
                 return expert_matvecs(x, w13, w2, weights, experts.int(), launch)
-            if isinstance(launch, OneRowTiles):
-                return launch(x, w13, w2, weights, experts)
             return fused_moe(x, w13, w2, weights, experts, launch)
 
         timings = []

@@ -160,7 +160,6 @@ def grouped_matmul_kernel(
     stride_scales,
     A_ROW_DIVISOR: tl.constexpr,
     SCALE_BY_WEIGHT: tl.constexpr,
-    ONE_ROW_BLOCKS: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -170,22 +169,17 @@ def grouped_matmul_kernel(
     DEPENDENT: tl.constexpr,
 ):
     """C[row] = A[row // A_ROW_DIVISOR] @ B[expert]^T for the block's rows (B is [n, k] per
-    expert, as a linear layer's weight), optionally times weights[row]. With ONE_ROW_BLOCKS,
-    block i is row i alone and block_experts its routed experts, flat; no row ids (what
-    decode steps ran before `expert_matvecs`; scripts/moe_sweep.py still times it against them). With
-    SILU_AND_MUL, B holds 2n rows (gate, then up) and C[row] = silu(gate) * up, from float32
-    accumulators, so the gate and up products never go to memory. With HAS_SCALE, B is float8
-    with a scale per (expert, row): its tiles are widened to A's dtype in registers and each
-    product column multiplied by its row's scale."""
+    expert, as a linear layer's weight), optionally times weights[row]. With SILU_AND_MUL, B
+    holds 2n rows (gate, then up) and C[row] = silu(gate) * up, from float32 accumulators, so
+    the gate and up products never go to memory. With HAS_SCALE, B is float8 with a scale per
+    (expert, row): its tiles are widened to A's dtype in registers and each product column
+    multiplied by its row's scale."""
     wait_for_inputs(DEPENDENT)
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:  # past the last expert's run: the grid covers the most blocks routing can need
         return
-    if ONE_ROW_BLOCKS:  # the other rows of the block are padding (tl.dot takes 16 at least)
-        rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_rows)
-    else:
-        rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_rows  # padding rows hold num_rows
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -371,7 +365,7 @@ def _grouped_matmul(
     silu_and_mul: bool = False,
     scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One launch over every block; `row_ids` None: each row is a block of its own.
+    """One launch over every block (`row_ids`: each block's rows, padded with num_rows).
     `silu_and_mul`: the weight's rows are gate then up, and the output is silu(gate) * up.
     `scales` [experts, rows]: the weight is float8, each row times its scale."""
     n, k = weight.shape[1] // (2 if silu_and_mul else 1), weight.shape[2]
@@ -381,7 +375,7 @@ def _grouped_matmul(
         a,
         weight,
         out,
-        row_ids if row_ids is not None else block_experts,
+        row_ids,
         block_experts,
         routing_weights if routing_weights is not None else out,
         scales if scales is not None else out,
@@ -396,7 +390,6 @@ def _grouped_matmul(
         A_ROW_DIVISOR=a_row_divisor,
         HAS_SCALE=scales is not None,
         SCALE_BY_WEIGHT=routing_weights is not None,
-        ONE_ROW_BLOCKS=row_ids is None,
         SILU_AND_MUL=silu_and_mul,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,

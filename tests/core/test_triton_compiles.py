@@ -116,19 +116,19 @@ CASES = {
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
-        | dict(ONE_ROW_BLOCKS=True, HAS_SCALE=False, DEPENDENT=True),
+        | dict(HAS_SCALE=False, DEPENDENT=True),
     ),
     "moe_matmul_tall": (
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32")
-        | dict(ONE_ROW_BLOCKS=False, HAS_SCALE=False, DEPENDENT=True),
+        | dict(HAS_SCALE=False, DEPENDENT=True),
     ),
     "moe_matmul_float8_experts": (  # gate and up with silu, float8 rows widened in registers
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL | {"b_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
         dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, SILU_AND_MUL=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128)
-        | dict(PRECISION="tf32", ONE_ROW_BLOCKS=False, HAS_SCALE=True, DEPENDENT=True),
+        | dict(PRECISION="tf32", HAS_SCALE=True, DEPENDENT=True),
     ),
     "moe_route_with_shared": (  # Qwen3-Next: top 10 of 512, the shared expert after them
         fused_moe.route_kernel,
