@@ -36,6 +36,7 @@ HYBRID = dict(
 def _family_configs(vocab_size: int, eos: int) -> dict:
     from transformers import (
         Gemma3TextConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -109,7 +110,22 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
                 "partial_rotary_factor": 0.5,
             },
         ),
+        # GPT-OSS's shape, small: window and full layers in turn, sinks, biases, 4 of 8 experts.
+        "gpt-oss": GptOssConfig(
+            **dict(base, num_hidden_layers=3),
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=4,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
     }
+
+
+# Parameters transformers initializes to zero or not at all where a family's are trained to
+# something else: random here, so the tests see them.
+RANDOMIZED = {"gpt-oss": ("sinks", "bias")}
 
 
 FAMILIES = (
@@ -124,6 +140,7 @@ FAMILIES = (
     "qwen3.5",
     "gemma3",
     "phi3",
+    "gpt-oss",
 )
 HYBRID_FAMILIES = ("qwen3-next", "qwen3.5")
 
@@ -140,6 +157,10 @@ def write_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     config = _family_configs(len(tok), tok.eos_token_id)[family]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in RANDOMIZED.get(family, ())):
+                param.copy_(torch.randn_like(param) * 0.5)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory

@@ -40,10 +40,14 @@ class ForwardContext:
         value: torch.Tensor,
         layer: AttentionLayerSpec,
         group: str = KV_GROUP,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bound = self.bound(group)
         backend: AttentionBackend = bound.group.binder
-        return backend.forward(query, key, value, bound.group.provider.layer(layer_index), bound.metadata, layer)
+        cache = bound.group.provider.layer(layer_index)
+        if sinks is None:
+            return backend.forward(query, key, value, cache, bound.metadata, layer)
+        return backend.forward(query, key, value, cache, bound.metadata, layer, sinks)
 
     def recurrent_state(
         self, layer_index: int, group: str = RECURRENT_GROUP

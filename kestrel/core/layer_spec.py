@@ -92,6 +92,7 @@ class AttentionLayer(LayerSpec):
     sliding_window: int | None = None
     state_group: str = KV_GROUP
     scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
+    sinks: bool = False  # a learned logit per query head in each softmax (GPT-OSS)
 
     def for_rank(self, parallel: TensorParallel = SINGLE) -> AttentionLayerSpec:
         """The heads one rank computes: its query heads, its KV heads (replicated below one each)."""
@@ -101,6 +102,7 @@ class AttentionLayer(LayerSpec):
             head_dim=self.head_dim,
             scale=self.scale if self.scale is not None else self.head_dim**-0.5,
             sliding_window=self.sliding_window,
+            sinks=self.sinks,
         )
 
     def group_spec(

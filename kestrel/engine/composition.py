@@ -337,8 +337,9 @@ def load_rank_model(args: EngineArgs, parallel: TensorParallel, mtp_head: bool =
     if not attention:
         raise ValueError(f"{spec.architecture} has no attention layer; the engine needs a KV group")
     windowed = any(layer.sliding_window is not None for layer in attention)
+    sinks = any(layer.sinks for layer in attention)
     backend_cls = select_backend(
-        BackendRequirements(runtime.name, dtype, attention[0].head_dim, windowed, args.page_size, kv_dtype),
+        BackendRequirements(runtime.name, dtype, attention[0].head_dim, windowed, args.page_size, kv_dtype, sinks),
         args.attention_backend,
     )
     with log_duration(logger, f"loading {spec.architecture} weights ({args.load_format}) from {args.model}"):

@@ -71,6 +71,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, parallel)
         self.q_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.sinks: torch.Tensor | None = None  # per query head, where the family has them (GPT-OSS)
 
     def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
@@ -99,7 +100,7 @@ class DecoderAttention(nn.Module):
                 sin,
             )
         value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
-        attended = context.attend(self.layer_index, query, key, value, spec)
+        attended = context.attend(self.layer_index, query, key, value, spec, sinks=self.sinks)
         return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))
 
 

@@ -32,6 +32,38 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         eos_token_id=199999,
         bos_token_id=199999,
     ),
+    # gpt-oss-20b's shape (bf16 experts: its published checkpoint stores them as MXFP4):
+    # 128-token window layers and full ones in turn, 4 of 32 experts, YaRN to 131,072 tokens.
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        attention_bias=True,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        eos_token_id=200002,
+        pad_token_id=199999,
+    ),
     # Five 1,024-token window layers to each global one; the global rope is linearly scaled.
     "gemma-3-12b": dict(
         architectures=["Gemma3ForCausalLM"],

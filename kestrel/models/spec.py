@@ -84,6 +84,7 @@ class DecoderSpec(ModelSpec):
     attention_scale: float | None = None  # the scores' scale where not head_dim ** -0.5 (Gemma)
     local_rope: RopeSpec | None = None  # sliding-window layers' own rope, where it differs (Gemma 3)
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj whole (Phi-3)
+    attention_sinks: bool = False  # a learned logit per query head in each softmax (GPT-OSS)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -100,7 +101,12 @@ class DecoderSpec(ModelSpec):
                 linear.conv_kernel,
             )
         return AttentionLayer(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.window_of(index), scale=self.attention_scale
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.window_of(index),
+            scale=self.attention_scale,
+            sinks=self.attention_sinks,
         )
 
     def window_of(self, index: int) -> int | None:

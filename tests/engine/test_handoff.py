@@ -10,6 +10,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.transfer import decode_handle, encode_handle
+from tests.checkpoints import FAMILIES
 from tests.engine.test_prefix_caching import assert_same, random_tokens
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
@@ -36,7 +37,7 @@ def decoded(decode: LLM, prompt: list[int], data: bytes, request_id: str = "deco
     return [(output.outputs[0].token_ids, [list(lp.items()) for lp in output.outputs[0].logprobs])]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-next"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_decoding_from_another_engines_prefill_equals_one_engine(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     prefill, decode = LLM(path, page_size=8), LLM(path, page_size=8)

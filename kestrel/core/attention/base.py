@@ -32,6 +32,7 @@ class AttentionLayerSpec:
     head_dim: int
     scale: float
     sliding_window: int | None = None
+    sinks: bool = False  # a learned logit per query head joins each softmax (GPT-OSS)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class BackendCapabilities:
     page_sizes: frozenset[int] | None  # None: any page size
     # KV pool dtypes it reads and writes besides the model's own (a quantized cache).
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
+    sinks: bool = False  # takes `forward(..., sinks=)`
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class BackendRequirements:
     sliding_window: bool
     page_size: int
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    sinks: bool = False
 
 
 class AttentionBackend(StepBinder, ABC):
@@ -84,6 +87,8 @@ class AttentionBackend(StepBinder, ABC):
             reasons.append(f"kv cache dtype {kv_dtype} not supported")
         if needs.sliding_window and not caps.sliding_window:
             reasons.append("sliding-window attention not supported")
+        if needs.sinks and not caps.sinks:
+            reasons.append("attention sinks not supported")
         return reasons
 
     @classmethod
@@ -110,5 +115,8 @@ class AttentionBackend(StepBinder, ABC):
         cache: KVLayerCache,
         metadata: AttentionMetadata,
         layer: AttentionLayerSpec,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store `key`/`value` [tokens, kv_heads, dim] in `cache`; return attention [tokens, heads, dim]."""
+        """Store `key`/`value` [tokens, kv_heads, dim] in `cache`; return attention [tokens, heads, dim].
+        `sinks` [heads] (layers with `layer.sinks`, backends with `capabilities.sinks`): one
+        more logit per query head in each softmax's denominator, with no value of its own."""

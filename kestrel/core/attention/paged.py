@@ -64,13 +64,16 @@ class PagedAttentionBackend(AttentionBackend):
         cache: KVLayerCache,
         metadata: AttentionMetadata,
         layer: AttentionLayerSpec,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.store(cache, key, value, metadata.slot_mapping)
         output = torch.empty_like(query)
+        # Only backends that declare sinks are selected for layers that have them.
+        extra = {"sinks": sinks} if sinks is not None else {}
         if metadata.decode is not None:
-            self.decode(query, key, value, cache, metadata.decode, layer, output)
+            self.decode(query, key, value, cache, metadata.decode, layer, output, **extra)
         if metadata.prefill is not None:
-            self.prefill(query, key, value, cache, metadata.prefill, layer, output)
+            self.prefill(query, key, value, cache, metadata.prefill, layer, output, **extra)
         return output
 
     def bind(self, layout: BatchLayout) -> AttentionMetadata:

@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
-from kestrel.core.attention.torch_ref import TorchReferenceBackend, gather_pages, store_kv_at
+from kestrel.core.attention.torch_ref import (
+    TorchReferenceBackend,
+    attention,
+    gather_pages,
+    grouped_sinks,
+    store_kv_at,
+)
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVLayerCache
@@ -94,6 +100,7 @@ class TorchCpuBackend(TorchReferenceBackend):
         sliding_window=True,
         cuda_graphs=False,
         page_sizes=None,
+        sinks=True,
     )
 
     def __init__(self, device: torch.device, page_size: int) -> None:
@@ -134,13 +141,14 @@ class TorchCpuBackend(TorchReferenceBackend):
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         rows = meta.num_seqs
         keys, values = self._decode_context(cache, key[:rows], value[:rows], meta)
         mask = self._index.decode_mask(meta, layer, keys.shape[2])
         rows_per_head = layer.num_heads // layer.num_kv_heads
         grouped = query[:rows].reshape(rows, layer.num_kv_heads, rows_per_head, layer.head_dim)
-        out = F.scaled_dot_product_attention(grouped.to(keys.dtype), keys, values, attn_mask=mask, scale=layer.scale)
+        out = attention(grouped.to(keys.dtype), keys, values, mask, layer.scale, grouped_sinks(sinks, layer))
         output[:rows] = out.reshape(rows, layer.num_heads, layer.head_dim).to(query.dtype)
 
     def prefill(
@@ -152,9 +160,10 @@ class TorchCpuBackend(TorchReferenceBackend):
         meta: PrefillMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        if layer.sliding_window is not None or any(meta.num_cached_tokens):
-            super().prefill(query, key, value, cache, meta, layer, output)
+        if layer.sliding_window is not None or any(meta.num_cached_tokens) or sinks is not None:
+            super().prefill(query, key, value, cache, meta, layer, output, sinks)
             return
         # Nothing cached: each sequence's context is exactly its new rows.
         for start, end in zip(meta.query_start_loc, meta.query_start_loc[1:]):

@@ -25,6 +25,7 @@ class TorchReferenceBackend(PagedAttentionBackend):
         cuda_graphs=False,
         page_sizes=None,
         kv_cache_dtypes=FLOAT8_KV_DTYPES,
+        sinks=True,
     )
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -39,8 +40,9 @@ class TorchReferenceBackend(PagedAttentionBackend):
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        output[: meta.num_seqs] = _decode_attention(query[: meta.num_seqs], cache, meta, layer)
+        output[: meta.num_seqs] = _decode_attention(query[: meta.num_seqs], cache, meta, layer, sinks)
 
     def prefill(
         self,
@@ -51,8 +53,9 @@ class TorchReferenceBackend(PagedAttentionBackend):
         meta: PrefillMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        prefill_attention(query, cache, meta, layer, output)
+        prefill_attention(query, cache, meta, layer, output, sinks)
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -85,8 +88,44 @@ def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, dtype: torch.dty
     return gathered if dtype is None else gathered.to(dtype)
 
 
+def attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` with a boolean `mask`, and with `sinks` (shaped to
+    broadcast against the query's leading dims, [..., queries]) as one more logit in each
+    softmax: a key whose score is the sink and whose value is zero (GPT-OSS's sinks)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    length = keys.shape[-2]
+    bias = query.new_zeros((*query.shape[:-1], length + 1), dtype=torch.float32)
+    if mask is not None:
+        bias[..., :length].masked_fill_(~mask, float("-inf"))
+    bias[..., length] = sinks.float()
+    zero = keys.new_zeros((*keys.shape[:-2], 1, keys.shape[-1]))
+    keys, values = torch.cat((keys, zero), dim=-2), torch.cat((values, zero), dim=-2)
+    bias = bias.to(query.dtype)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)
+
+
+def grouped_sinks(sinks: torch.Tensor | None, layer: AttentionLayerSpec) -> torch.Tensor | None:
+    """Per-head sinks laid out as a decode step groups its queries: [kv_heads, heads per KV head]."""
+    if sinks is None:
+        return None
+    return sinks.view(layer.num_kv_heads, layer.num_heads // layer.num_kv_heads)
+
+
 def _decode_attention(
-    query: torch.Tensor, cache: KVLayerCache, meta: DecodeMetadata, layer: AttentionLayerSpec
+    query: torch.Tensor,
+    cache: KVLayerCache,
+    meta: DecodeMetadata,
+    layer: AttentionLayerSpec,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     keys = gather_pages(cache.key, meta.page_table, query.dtype)
     values = gather_pages(cache.value, meta.page_table, query.dtype)
@@ -99,7 +138,7 @@ def _decode_attention(
     # attention per KV head, with no copy of K and V per query head.
     rows, group = query.shape[0], layer.num_heads // layer.num_kv_heads
     grouped = query.reshape(rows, layer.num_kv_heads, group, layer.head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=layer.scale)
+    out = attention(grouped, keys, values, mask[:, None, None, :], layer.scale, grouped_sinks(sinks, layer))
     return out.reshape(rows, layer.num_heads, layer.head_dim)
 
 
@@ -109,6 +148,7 @@ def prefill_attention(
     meta: PrefillMetadata,
     layer: AttentionLayerSpec,
     output: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     for index, (cached, seq_len) in enumerate(zip(meta.num_cached_tokens, meta.seq_lens)):
         start, end = meta.query_start_loc[index], meta.query_start_loc[index + 1]
@@ -120,12 +160,13 @@ def prefill_attention(
         mask = key_positions <= query_positions
         if layer.sliding_window is not None:
             mask &= key_positions > query_positions - layer.sliding_window
-        out = F.scaled_dot_product_attention(
+        out = attention(
             query[start:end].transpose(0, 1)[None],
             keys,
             values,
-            attn_mask=mask[None, None],
-            scale=layer.scale,
+            mask[None, None],
+            layer.scale,
+            sinks[:, None] if sinks is not None else None,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
         output[start:end] = out[0].transpose(0, 1)

@@ -1,0 +1,189 @@
+"""GptOssForCausalLM (gpt-oss-20b, gpt-oss-120b): sliding-window layers between full ones, an
+attention sink per query head, biases on every attention projection, and a mixture of
+experts with a router bias, expert biases and a clamped gated activation.
+
+The checkpoint keeps each layer's experts in one tensor per projection, transposed against a
+linear layer's weight, with gate and up interleaved column by column (`gate_up_proj`
+[experts, hidden, 2 * inter]); `GptOssExperts` turns that into gate rows then up rows once, at
+load. Expert weights stored as MXFP4 (the published checkpoints) are not read yet: they are
+refused by name. The experts run in torch on every device (the fused MoE kernels have no
+biases or clamped activation yet), and the layers need a backend with attention sinks (the
+torch backends; the Triton one does not have them yet).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.core.forward import ForwardContext
+from kestrel.core.parallel import SINGLE, TensorParallel
+from kestrel.core.weight_bindings import WeightBindingError, WeightBindings
+from kestrel.layers import ops
+from kestrel.layers.linear import Linear, RowParallelLinear, copy_into
+from kestrel.models.dense import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DenseDecoderRecipe,
+    ResidualBlock,
+    decoder_bindings,
+    rank_slice,
+    read_dense_spec,
+    read_rope,
+)
+from kestrel.models.spec import FULL_ATTENTION, SLIDING_ATTENTION, DecoderSpec, MoeSpec
+
+SWIGLU_ALPHA = 1.702  # the gate's sigmoid slope, as transformers' GptOssExperts has it
+SWIGLU_LIMIT = 7.0  # gate clamped above, up clamped both ways, at this
+
+
+class GptOssAttention(DecoderAttention):
+    """Llama-shaped attention with biases on q, k, v and o, and a learned sink logit per head."""
+
+    def __init__(self, spec: DecoderSpec, index: int, parallel: TensorParallel) -> None:
+        super().__init__(spec, index, parallel)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, parallel, bias=True)
+        self.heads = rank_slice(parallel, spec.num_heads, "num_attention_heads")
+        self.sinks = nn.Parameter(torch.empty(self.heads.size), requires_grad=False)
+
+    # The sinks are this module's own parameter: each rank keeps its heads' share.
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset({None})
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        copy_into(param.data, self.heads.take(tensor, 0, "attention sinks"), "attention sinks")
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's activation of [rows, 2 * inter] (gate then up): the gate clamped above and
+    squashed by sigmoid(alpha * gate), the up clamped both ways and shifted by one."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+class GptOssExperts(nn.Module):
+    """Every expert's projections and biases, as linear layers hold them: gate_up_proj
+    [experts, 2 * inter, hidden] (gate rows, then up rows) and down_proj [experts, hidden, inter];
+    under tensor parallelism each rank keeps its share of the intermediate width."""
+
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel) -> None:
+        super().__init__()
+        moe = spec.moe
+        self.inner = rank_slice(parallel, moe.intermediate_size, "intermediate_size")
+        experts, hidden, inner = moe.num_experts, spec.hidden_size, self.inner.size
+
+        def parameter(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+        self.gate_up_proj = parameter(experts, 2 * inner, hidden)
+        self.gate_up_proj_bias = parameter(experts, 2 * inner)
+        self.down_proj = parameter(experts, hidden, inner)
+        self.down_proj_bias = parameter(experts, hidden)  # added once, after the ranks' sum
+
+    def shard_ids(self) -> frozenset[str | None]:
+        return frozenset({None})
+
+    def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
+        what = "GPT-OSS experts"
+        if param is self.gate_up_proj or param is self.gate_up_proj_bias:
+            # Checkpoint: [experts, (hidden,) 2 * inter], gate and up alternating column by column.
+            gate, up = tensor[..., 0::2], tensor[..., 1::2]
+            dim = gate.dim() - 1
+            stacked = torch.cat((self.inner.take(gate, dim, what), self.inner.take(up, dim, what)), dim=dim)
+            tensor = stacked.transpose(1, 2) if param is self.gate_up_proj else stacked
+        elif param is self.down_proj:  # checkpoint [experts, inter, hidden]
+            tensor = self.inner.take(tensor, 1, what).transpose(1, 2)
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise WeightBindingError(
+                f"shape mismatch for {what}: expected {tuple(param.shape)}, got {tuple(tensor.shape)}"
+            )
+        param.data.copy_(tensor)
+
+
+class GptOssMoe(nn.Module):
+    """Top-k over the router's logits (router bias included), softmax over the k chosen, then
+    each expert over its tokens: one matmul per expert, the Python loop never per token."""
+
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.top_k, self.parallel = spec.moe.top_k, parallel
+        self.router = Linear(spec.hidden_size, spec.moe.num_experts, bias=True)  # replicated
+        self.experts = GptOssExperts(spec, parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.router(hidden)
+        top, experts = logits.topk(self.top_k, dim=-1)
+        weights = F.softmax(top, dim=-1, dtype=top.dtype)
+        out = self.parallel.all_reduce(self._experts(hidden, weights, experts))
+        bias = self.experts.down_proj_bias[experts]  # [tokens, k, hidden]
+        return out + (weights[..., None] * bias).sum(dim=1).to(out.dtype)
+
+    def _experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        token_rows, token_weights = order // self.top_k, weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.experts.gate_up_proj.shape[0]).tolist()
+        out = torch.zeros_like(hidden)
+        params, start = self.experts, 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_rows[start : start + count]
+            gate_up = ops.linear(hidden[rows], params.gate_up_proj[expert]) + params.gate_up_proj_bias[expert]
+            down = ops.linear(swiglu(gate_up), params.down_proj[expert])
+            out.index_add_(0, rows, down * token_weights[start : start + count, None])
+            start += count
+        return out
+
+
+class GptOssDecoderLayer(ResidualBlock):
+    def __init__(self, spec: DecoderSpec, index: int, parallel: TensorParallel) -> None:
+        super().__init__(spec)
+        self.self_attn = GptOssAttention(spec, index, parallel)
+        self.mlp = GptOssMoe(spec, parallel)
+
+    def mix(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        return self.self_attn(hidden, rotary, context)
+
+
+class GptOssRecipe(DenseDecoderRecipe):
+    architectures = ("GptOssForCausalLM",)
+
+    def spec(self, hf_config: object) -> DecoderSpec:
+        layer_types = tuple(hf_config.layer_types)
+        unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(f"GPT-OSS layer types {unknown} are not supported")
+        quantization = getattr(hf_config, "quantization_config", None) or {}
+        if dict(quantization).get("quant_method") == "mxfp4":
+            raise ValueError(
+                "GPT-OSS checkpoints with MXFP4 experts (quant_method 'mxfp4') are not read yet; "
+                "use a checkpoint with bf16 experts"
+            )
+        moe = MoeSpec(
+            num_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.intermediate_size,
+            renormalize=True,  # softmax over the chosen k
+        )
+        return read_dense_spec(
+            hf_config,
+            "GptOssForCausalLM",
+            rope=read_rope(hf_config),
+            attention_bias=True,
+            attention_sinks=True,
+            sliding_window=hf_config.sliding_window,
+            layer_types=layer_types,
+            moe=moe,
+        )
+
+    def build(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
+        return DecoderForCausalLM(spec, parallel, GptOssDecoderLayer)
+
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
+        return decoder_bindings(model, spec)
