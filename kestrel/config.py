@@ -10,7 +10,7 @@ from kestrel.engine.speculative import SpeculativeConfig
 
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names
-QUANTIZATIONS = (None, "none", "int4", "fp8", "awq", "gptq")
+QUANTIZATIONS = (None, "none", "int4", "fp8", "awq", "gptq", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class EngineArgs:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     # Quantization applied after loading (vLLM's name): "int4" (weight-only, 4-bit groups of 32,
     # the CPU), "fp8" (float8 e4m3 weights with a scale per row, activations per token), or
-    # None / "none": the weights as loaded; "awq" / "gptq" name an AWQ or GPTQ checkpoint's own
+    # None / "none": the weights as loaded; "awq" / "gptq" / "mxfp4" name the checkpoint's own
     # method (loaded dequantized), as vLLM takes them.
     quantization: str | None = None
     # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": keys and values stored as float8 e4m3,

@@ -334,3 +334,48 @@ def write_packed_int_checkpoint(
         }
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., rows, columns] -> MXFP4 (blocks [..., rows, columns / 32, 16], scales
+    [..., rows, columns / 32]), each group of 32 scaled so its largest value is at most 6."""
+    from kestrel.weights.mxfp4 import E2M1_VALUES, E8M0_BIAS
+
+    groups = weight.float().unflatten(-1, (-1, 32))
+    largest = groups.abs().amax(dim=-1).clamp(min=1e-30)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-E8M0_BIAS, 127)
+    scaled = groups / torch.exp2(exponents)[..., None]
+    table = torch.tensor(E2M1_VALUES[:8])
+    magnitude = (scaled.abs()[..., None] - table).abs().argmin(dim=-1)
+    codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8)  # [..., groups, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponents + E8M0_BIAS).to(torch.uint8)
+
+
+def write_mxfp4_checkpoint(source: Path, directory: Path, reference: Path) -> Path:
+    """A copy of a GPT-OSS checkpoint whose experts are stored as MXFP4, as the published ones
+    are; and, at `reference`, the same checkpoint with those experts as the floats the codes mean."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kestrel.weights.mxfp4 import dequantize
+
+    for target in (directory, reference):
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    tensors = load_file(source / "model.safetensors")
+    packed, floats = {}, {}
+    for name, tensor in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = floats[name] = tensor
+            continue
+        blocks, scales = mxfp4_pack(tensor.transpose(1, 2))  # stored with output rows first
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        floats[name] = dequantize(blocks, scales, name)
+    save_file(packed, directory / "model.safetensors")
+    save_file(floats, reference / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

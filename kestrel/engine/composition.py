@@ -129,7 +129,7 @@ def resolve_quantization(name: str | None, checkpoint: Checkpoint | None, runtim
 
 
 # Methods a checkpoint stores (loaded dequantized); `quantization=` may name them, as vLLM allows.
-CHECKPOINT_METHODS = ("awq", "gptq")
+CHECKPOINT_METHODS = ("awq", "gptq", "mxfp4")
 
 
 def checkpoint_quant_method(checkpoint: Checkpoint | None) -> str | None:

@@ -5,8 +5,8 @@ experts with a router bias, expert biases and a clamped gated activation.
 The checkpoint keeps each layer's experts in one tensor per projection, transposed against a
 linear layer's weight, with gate and up interleaved column by column (`gate_up_proj`
 [experts, hidden, 2 * inter]); `GptOssExperts` turns that into gate rows then up rows once, at
-load. Expert weights stored as MXFP4 (the published checkpoints) are not read yet: they are
-refused by name. The experts run in torch on every device (the fused MoE kernels have no
+load. Expert weights stored as MXFP4 (the published checkpoints) arrive dequantized
+(weights/mxfp4.py). The experts run in torch on every device (the fused MoE kernels have no
 biases or clamped activation yet), and the layers need a backend with attention sinks (the
 torch backends; the Triton one does not have them yet).
 """
@@ -159,12 +159,6 @@ class GptOssRecipe(DenseDecoderRecipe):
         unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
         if unknown:
             raise ValueError(f"GPT-OSS layer types {unknown} are not supported")
-        quantization = getattr(hf_config, "quantization_config", None) or {}
-        if dict(quantization).get("quant_method") == "mxfp4":
-            raise ValueError(
-                "GPT-OSS checkpoints with MXFP4 experts (quant_method 'mxfp4') are not read yet; "
-                "use a checkpoint with bf16 experts"
-            )
         moe = MoeSpec(
             num_experts=hf_config.num_local_experts,
             top_k=hf_config.num_experts_per_tok,

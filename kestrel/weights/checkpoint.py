@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 from kestrel.weights.fp8 import Fp8CheckpointError, Fp8Config
 from kestrel.weights.fp8 import dequantized_tensors as fp8_dequantized
+from kestrel.weights.mxfp4 import Mxfp4CheckpointError, Mxfp4Config
+from kestrel.weights.mxfp4 import dequantized_tensors as mxfp4_dequantized
 from kestrel.weights.packed_ints import PackedIntCheckpointError, PackedIntConfig
 from kestrel.weights.packed_ints import dequantized_tensors as packed_dequantized
 
@@ -30,7 +32,9 @@ logger = logging.getLogger("kestrel")
 INDEX_FILE = "model.safetensors.index.json"
 # Any of these makes a directory's tokenizer loadable; with none, the engine takes token ids.
 # quant_method -> how its config is read; the tensors are dequantized at load.
-STORED_QUANTIZATIONS = {"fp8": Fp8Config, "awq": PackedIntConfig, "gptq": PackedIntConfig}
+STORED_QUANTIZATIONS = {"fp8": Fp8Config, "awq": PackedIntConfig, "gptq": PackedIntConfig, "mxfp4": Mxfp4Config}
+# How each stored method's tensors become float ones, read across shards.
+DEQUANTIZED = {Fp8Config: fp8_dequantized, PackedIntConfig: packed_dequantized, Mxfp4Config: mxfp4_dequantized}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
@@ -106,7 +110,7 @@ class SafetensorsCheckpoint(Checkpoint):
                 )
             try:
                 self._stored = STORED_QUANTIZATIONS[method].from_quantization_config(quantization)
-            except (Fp8CheckpointError, PackedIntCheckpointError) as error:
+            except (Fp8CheckpointError, PackedIntCheckpointError, Mxfp4CheckpointError) as error:
                 raise UnsupportedQuantizationError(f"{self.path}: {error}") from None
             logger.info("%s stores %s weights: dequantized at load", self.path, method.upper())
         return config
@@ -145,7 +149,7 @@ class SafetensorsCheckpoint(Checkpoint):
         with ExitStack() as stack:
             shards = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu")) for path in self.files()]
             where = {name: shard for shard in shards for name in list(shard.keys())}
-            transform = fp8_dequantized if isinstance(stored, Fp8Config) else packed_dequantized
+            transform = DEQUANTIZED[type(stored)]
             yield from transform(list(where), lambda name: where[name].get_tensor(name), stored)
 
     def tokenizer(self) -> Any | None:
