@@ -36,15 +36,19 @@ class HostTierCounters:
 
 
 class HostKVTier:
-    def __init__(self, page_shape: Sequence[int], dtype: torch.dtype, num_pages: int, pin_memory: bool) -> None:
+    """A host store of fixed-size entries, each one tensor per part of `layout` (a KV page:
+    one tensor; a recurrent state snapshot: its convolution and recurrent tensors)."""
+
+    def __init__(self, layout: Sequence[tuple[Sequence[int], torch.dtype]], num_pages: int, pin_memory: bool) -> None:
         if num_pages < 1:
             raise ValueError(f"the host KV tier needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        self.storage = torch.empty((num_pages, *page_shape), dtype=dtype, pin_memory=pin_memory)
+        self.parts = [torch.empty((num_pages, *shape), dtype=dtype, pin_memory=pin_memory) for shape, dtype in layout]
         self._pages: OrderedDict[bytes, int] = OrderedDict()  # digest -> host page, oldest use first
         self._free = list(range(num_pages - 1, -1, -1))
         self._pins: Counter[int] = Counter()
         self.counters = HostTierCounters()
+        self.snapshots: HostKVTier | None = None  # hybrid models: the recurrent state at some pages
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._pages
@@ -54,19 +58,20 @@ class HostKVTier:
 
     @property
     def bytes_per_page(self) -> int:
-        return self.storage[0].numel() * self.storage.element_size()
+        return sum(part[0].numel() * part.element_size() for part in self.parts)
 
-    def store(self, digest: bytes, contents: torch.Tensor) -> None:
-        """Keep a copy of a device page's `contents` under its prefix's digest. Where no page
-        is free and every page is pinned, the page is not kept (it is computed again when
-        asked for)."""
+    def store(self, digest: bytes, *contents: torch.Tensor) -> None:
+        """Keep a copy of a device entry's `contents` (one tensor per part) under its prefix's
+        digest. Where no page is free and every page is pinned, it is not kept (it is
+        computed again when asked for)."""
         if digest in self._pages:
-            self._pages.move_to_end(digest)  # the same prefix has the same keys and values
+            self._pages.move_to_end(digest)  # the same prefix has the same state
             return
         page = self._free.pop() if self._free else self._drop_oldest()
         if page is None:
             return
-        self.storage[page].copy_(contents, non_blocking=True)
+        for part, content in zip(self.parts, contents, strict=True):
+            part[page].copy_(content, non_blocking=True)
         self._pages[digest] = page
         self.counters.stored_pages += 1
 
@@ -102,7 +107,7 @@ class HostKVTier:
             if not self._pins[page]:
                 del self._pins[page]
 
-    def page(self, page: int) -> torch.Tensor:
-        """A held page's contents, to copy into the device pool."""
+    def page(self, page: int) -> list[torch.Tensor]:
+        """A held entry's contents, one tensor per part, to copy into the device."""
         self.counters.loaded_pages += 1
-        return self.storage[page]
+        return [part[page] for part in self.parts]

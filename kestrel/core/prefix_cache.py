@@ -61,6 +61,8 @@ class PrefixCache:
         self.page_size = page_size
         self.on_snapshot_dropped = on_snapshot_dropped
         self.on_page_evicted = on_page_evicted  # (page, digest of its prefix), before reuse
+        # (snapshot, digest of its node's prefix) when a snapshot leaves its node, before reuse.
+        self.on_snapshot_evicted: Callable[[int, bytes], None] | None = None
         self._root = _Node(page=-1, parent=None, key=())
         self._by_page: dict[int, _Node] = {}
         self._by_snapshot: dict[int, _Node] = {}
@@ -95,6 +97,11 @@ class PrefixCache:
         """The digest of the prefix that the cached `page` ends."""
         return self._by_page[page].digest
 
+    def snapshot_at(self, tokens: Sequence[int]) -> int | None:
+        """The snapshot the node of `tokens` (whole pages) keeps, if any."""
+        node = self._node_of(tokens)
+        return node.snapshot if node is not None else None
+
     def match_snapshot(self, tokens: Sequence[int], max_pages: int) -> tuple[list[int], int | None]:
         """Pages of the longest cached prefix of `tokens` (at most `max_pages`) that ends at a
         node holding a snapshot, and that snapshot; ([], None) where none does."""
@@ -127,6 +134,8 @@ class PrefixCache:
         node = min(candidates, key=lambda n: n.last_used)
         snapshot, node.snapshot = node.snapshot, None
         del self._by_snapshot[snapshot]
+        if self.on_snapshot_evicted is not None:
+            self.on_snapshot_evicted(snapshot, node.digest)
         return snapshot
 
     @property
@@ -207,6 +216,8 @@ class PrefixCache:
             del self._by_page[gone.page]
             if gone.snapshot is not None:
                 del self._by_snapshot[gone.snapshot]
+                if self.on_snapshot_evicted is not None:
+                    self.on_snapshot_evicted(gone.snapshot, gone.digest)
                 if self.on_snapshot_dropped is not None:
                     self.on_snapshot_dropped(gone.snapshot)
         if parent is not self._root and not parent.children:

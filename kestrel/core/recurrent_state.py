@@ -93,6 +93,7 @@ class RecurrentStateProvider(StateProvider, StepBinder):
             device=device,
         )
         self._layers = tuple(RecurrentLayerState(conv[i], recurrent[i]) for i in range(spec.num_layers))
+        self._units = (conv, recurrent)  # every layer's units, for whole-unit copies
 
     def layer(self, index: int) -> RecurrentLayerState:
         return self._layers[index]
@@ -156,6 +157,14 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     @property
     def num_free_snapshots(self) -> int:
         return len(self._free_snapshots)
+
+    def unit_layout(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One unit (slot or snapshot) across every layer: convolution state, recurrent state."""
+        return [((t.shape[0], *t.shape[2:]), t.dtype) for t in self._units]
+
+    def unit_state(self, unit: int) -> list[torch.Tensor]:
+        """Views of one unit's state, as `unit_layout` says (to copy out, or into)."""
+        return [t[:, unit] for t in self._units]
 
     def rollback(self, request_id: str, num_tokens: int) -> int:
         """The state folds every token in: it cannot step back past a tentative chunk's start,

@@ -367,7 +367,8 @@ class PagedKVProvider(StateProvider):
     def load_from_host(self, host_pages: list[int], pages: list[int]) -> None:
         """Copy held host-tier pages into device `pages` (the caller's, in the same order)."""
         for host_page, page in zip(host_pages, pages, strict=True):
-            self._storage[:, :, :, page].copy_(self.host_tier.page(host_page), non_blocking=True)
+            (contents,) = self.host_tier.page(host_page)
+            self._storage[:, :, :, page].copy_(contents, non_blocking=True)
 
     def cache_prefix(self, request_id: str, token_ids: list[int]) -> None:
         """Record the request's full pages of `token_ids` (whose KV is computed) for reuse."""

@@ -492,23 +492,34 @@ def snapshot_stops(args: EngineArgs, rank: RankParts) -> dict[str, int]:
 
 
 def attach_host_tier(args: EngineArgs, rank: RankParts) -> None:
-    """A host-memory tier of `kv_offloading_size` GiB behind the KV pool's prefix cache."""
-    if rank.recurrent is not None:
-        raise ValueError(
-            f"kv_offloading_size: {rank.spec.architecture} keeps recurrent state, whose prefix snapshots "
-            "are not offloaded yet; the host KV tier serves attention-only models so far"
-        )
+    """A host-memory tier of `kv_offloading_size` GiB behind the KV pool's prefix cache; for a
+    hybrid model, split between pages and recurrent state snapshots, one snapshot per
+    `state_snapshot_interval` tokens of pages (where its prefixes can end)."""
     if rank.kv.prefix_cache is None:
         raise ValueError("kv_offloading_size keeps the prefix cache's evicted pages; prefix caching is off")
-    kv_spec = rank.kv.spec
-    num_pages = int(args.kv_offloading_size * GIB) // kv_spec.bytes_per_page()
-    if num_pages < 1:
+    kv, recurrent = rank.kv, rank.recurrent
+    page_bytes = kv.spec.bytes_per_page()
+    pages_per_snapshot = args.state_snapshot_interval // args.page_size
+    snapshot_bytes = recurrent.spec.bytes_per_slot() if recurrent is not None else 0
+    unit_bytes = page_bytes * pages_per_snapshot + snapshot_bytes if recurrent is not None else page_bytes
+    units = int(args.kv_offloading_size * GIB) // unit_bytes
+    if units < 1:
         raise ValueError(
-            f"kv_offloading_size={args.kv_offloading_size} GiB holds no KV page of {kv_spec.bytes_per_page()} bytes"
+            f"kv_offloading_size={args.kv_offloading_size} GiB holds no KV page of {page_bytes} bytes"
+            + (f" with a recurrent state snapshot of {snapshot_bytes} bytes" if recurrent is not None else "")
         )
     pin = rank.runtime.device.type == "cuda"  # page-locked, so copies to and from the GPU run asynchronously
-    rank.kv.attach_host_tier(HostKVTier(rank.kv.page_shape(), kv_spec.dtype, num_pages, pin_memory=pin))
-    logger.info("host KV tier: %d pages, %.2f GiB", num_pages, num_pages * kv_spec.bytes_per_page() / GIB)
+    num_pages = units * pages_per_snapshot if recurrent is not None else units
+    tier = HostKVTier([(kv.page_shape(), kv.spec.dtype)], num_pages, pin_memory=pin)
+    if recurrent is not None:
+        tier.snapshots = HostKVTier(recurrent.unit_layout(), units, pin_memory=pin)
+    kv.attach_host_tier(tier)
+    logger.info(
+        "host KV tier: %d pages%s, %.2f GiB",
+        num_pages,
+        f" and {units} recurrent state snapshots" if recurrent is not None else "",
+        (num_pages * page_bytes + (units * snapshot_bytes if recurrent is not None else 0)) / GIB,
+    )
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:

@@ -93,8 +93,8 @@ class EngineStats:
     num_total_state_slots: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
-    # The host KV tier, since start: of the hits, tokens copied back from it; bytes copied out
-    # to it and back in.
+    # The host KV tier, since start: of the hits, tokens reused through it (its pages, or a
+    # hybrid prefix its snapshot made usable); bytes copied out to it and back in.
     kv_offload_hit_tokens: int = 0
     kv_offload_stored_bytes: int = 0
     kv_offload_loaded_bytes: int = 0

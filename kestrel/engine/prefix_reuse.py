@@ -13,7 +13,9 @@ With a host tier (`core/host_tier.py`), a prefix may run on past what the device
 caches into pages the device evicted to host memory: those are found by their prefix digests,
 and copied into fresh device pages once every request admitted in the step has shared its
 device pages (`load_from_host`), so that the room made for them never evicts a page another
-admitted request was promised.
+admitted request was promised. A hybrid model's snapshots go to the tier too when the device
+lets them go; a prefix then ends at the deepest snapshot either place keeps, and a snapshot
+from host memory is copied into a device snapshot on that prefix's node.
 
 Ownership: the KV pool's prefix cache holds the tree (and frees a node's snapshot with the
 node); the recurrent provider owns the snapshot storage; the host tier owns its pages; this
@@ -35,6 +37,7 @@ class PrefixHit:
     pages: list[int]  # cached KV pages of the prefix, in order
     snapshot: int | None = None  # hybrid models: the recurrent state after those pages
     host_digests: tuple[bytes, ...] = ()  # the prefix's next pages, in the host tier
+    host_snapshot: bytes | None = None  # hybrid models: the state after the prefix, in the host tier
 
     def num_tokens(self, page_size: int) -> int:
         return (len(self.pages) + len(self.host_digests)) * page_size
@@ -51,7 +54,10 @@ class PrefixReuse:
         self.snapshots = recurrent if recurrent is not None and self.cache is not None else None
         self.interval = snapshot_interval
         self._starting: dict[str, int] = {}  # admitted request -> the snapshot its first chunk reads
-        self._loading: list[tuple[Request, tuple[bytes, ...]]] = []  # admitted this step, host pages to copy in
+        self._loading: list[tuple[Request, PrefixHit]] = []  # admitted this step, with state to copy in
+        self.tier = kv.host_tier
+        if self.snapshots is not None and self.tier is not None:
+            self.cache.on_snapshot_evicted = self._offload_snapshot
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of those, tokens a request did not compute again
         self.host_hit_tokens = 0  # of those, tokens copied back from the host tier
@@ -71,7 +77,23 @@ class PrefixReuse:
             pages = self.cache.match(request.token_ids)[:usable]
             return PrefixHit(pages, host_digests=self._host_run(request.token_ids, pages, usable))
         pages, snapshot = self.cache.match_snapshot(request.token_ids, usable)
-        return PrefixHit(pages, snapshot)
+        deeper = self._host_snapshot_hit(request.token_ids, usable, len(pages)) if self.tier is not None else None
+        return deeper or PrefixHit(pages, snapshot)
+
+    def _host_snapshot_hit(self, tokens: list[int], usable: int, depth: int) -> PrefixHit | None:
+        """A hybrid prefix ending at a snapshot the host tier keeps, deeper than `depth` pages
+        (where the device's deepest one ends): device pages, then host pages, up to it."""
+        device = self.cache.match(tokens)[:usable]
+        digests = [self.cache.digest_of(page) for page in device] + list(self._host_run(tokens, device, usable))
+        for end in range(len(digests), depth, -1):
+            if digests[end - 1] in self.tier.snapshots:
+                return PrefixHit(
+                    device[:end], host_digests=tuple(digests[len(device) : end]), host_snapshot=digests[end - 1]
+                )
+        return None
+
+    def _offload_snapshot(self, snapshot: int, digest: bytes) -> None:
+        self.tier.snapshots.store(digest, *self.snapshots.unit_state(snapshot))
 
     def _host_run(self, tokens: list[int], pages: list[int], usable: int) -> tuple[bytes, ...]:
         """The digests of the pages after `pages` that the host tier holds, up to `usable`."""
@@ -94,8 +116,8 @@ class PrefixReuse:
         if self.cache is not None:
             self.queried_tokens += request.num_tokens
             self.hit_tokens += len(hit.pages) * self.cache.page_size
-        if hit.host_digests:
-            self._loading.append((request, hit.host_digests))
+        if hit.host_digests or hit.host_snapshot is not None:
+            self._loading.append((request, hit))
         if not hit.pages:
             return
         self.kv.share(request.request_id, hit.pages)
@@ -104,24 +126,66 @@ class PrefixReuse:
         request.num_computed_tokens = len(hit.pages) * self.cache.page_size
 
     def load_from_host(self) -> None:
-        """Copy in the host-tier pages of the requests `take` started this step, after every
-        admitted request has shared its device pages. A page the tier let go since `match`
-        is computed again instead (the request's first chunk then starts earlier)."""
+        """Copy in the host-tier pages (and snapshot) of the requests `take` started this step,
+        after every admitted request has shared its device pages. Pages the tier let go since
+        `match` are computed again instead (the request's first chunk then starts earlier); a
+        hybrid request whose snapshot cannot be brought back starts from its first token."""
         loading, self._loading = self._loading, []
         if not loading:
             return
-        tier, size = self.kv.host_tier, self.cache.page_size
-        # Pinned before any copy in: the room those copies take sends evicted pages to the tier.
-        held = [(request, tier.hold(digests)) for request, digests in loading]
-        for request, host_pages in held:
-            num_device_pages = request.num_computed_tokens // size
-            pages = self.kv.reserve(request.request_id, (num_device_pages + len(host_pages)) * size)
-            self.kv.load_from_host(host_pages, pages[num_device_pages:])
-            tier.release(host_pages)
-            request.num_computed_tokens = len(pages) * size
-            self.hit_tokens += len(host_pages) * size
-            self.host_hit_tokens += len(host_pages) * size
-            self.kv.cache_prefix(request.request_id, request.token_ids[: request.num_computed_tokens])
+        # Pinned before any copy in: the room those copies take sends evicted state to the tier.
+        held = [(request, hit, self.tier.hold(hit.host_digests), self._hold_snapshot(hit)) for request, hit in loading]
+        for request, hit, host_pages, snapshot in held:
+            self._load(request, hit, host_pages, snapshot)
+            self.tier.release(host_pages)
+            if snapshot is not None:
+                self.tier.snapshots.release([snapshot])
+
+    def _hold_snapshot(self, hit: PrefixHit) -> int | None:
+        if hit.host_snapshot is None:
+            return None
+        held = self.tier.snapshots.hold([hit.host_snapshot])
+        return held[0] if held else None
+
+    def _load(self, request: Request, hit: PrefixHit, host_pages: list[int], snapshot: int | None) -> None:
+        size = self.cache.page_size
+        if hit.host_snapshot is not None and (snapshot is None or len(host_pages) < len(hit.host_digests)):
+            self._start_over(request, hit)  # the state at the prefix's end is gone
+            return
+        num_device_pages = request.num_computed_tokens // size
+        pages = self.kv.reserve(request.request_id, (num_device_pages + len(host_pages)) * size)
+        self.kv.load_from_host(host_pages, pages[num_device_pages:])
+        request.num_computed_tokens = len(pages) * size
+        prefix = request.token_ids[: request.num_computed_tokens]
+        self.kv.cache_prefix(request.request_id, prefix)
+        if snapshot is not None:
+            unit = self._restore_snapshot(prefix, snapshot)
+            if unit is None:
+                self._start_over(request, hit)
+                return
+            self._starting[request.request_id] = unit
+        self.hit_tokens += len(host_pages) * size
+        # Tokens reused through the tier: its pages, or the whole prefix its snapshot made usable.
+        self.host_hit_tokens += request.num_computed_tokens if snapshot is not None else len(host_pages) * size
+
+    def _restore_snapshot(self, prefix: list[int], host_snapshot: int) -> int | None:
+        """A device snapshot of the state after `prefix`, on its node: one kept there already,
+        or a fresh one filled from the host tier; None where none can be had."""
+        kept = self.cache.snapshot_at(prefix)
+        if kept is not None:
+            return kept
+        unit = self._keep_state(prefix)
+        if unit is None:
+            return None
+        for target, source in zip(self.snapshots.unit_state(unit), self.tier.snapshots.page(host_snapshot)):
+            target.copy_(source, non_blocking=True)
+        return unit
+
+    def _start_over(self, request: Request, hit: PrefixHit) -> None:
+        """Give back what the request was given and compute its prompt from the start."""
+        self.hit_tokens -= len(hit.pages) * self.cache.page_size  # counted by `take`
+        self.kv.release(request.request_id)
+        request.num_computed_tokens = 0
 
     def after_chunk(self, request: Request, start: int, end: int, state_ids: dict[str, tuple[int, ...]]) -> None:
         """Cache what the chunk [start, end) computes: the prompt's pages once the prompt is

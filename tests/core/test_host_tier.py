@@ -13,7 +13,7 @@ PAGE = 4
 
 
 def tier(num_pages: int) -> HostKVTier:
-    return HostKVTier((2, PAGE), torch.float32, num_pages, pin_memory=False)
+    return HostKVTier([((2, PAGE), torch.float32)], num_pages, pin_memory=False)
 
 
 def page_of(value: float) -> torch.Tensor:
@@ -28,7 +28,7 @@ def test_store_keeps_contents_and_drops_the_least_recently_used():
     host.store(b"c", page_of(3.0))
     assert b"b" not in host and b"a" in host and b"c" in host
     (page,) = host.hold([b"c"])
-    assert torch.equal(host.page(page), page_of(3.0))
+    assert torch.equal(host.page(page)[0], page_of(3.0))
     assert host.counters.stored_pages == 3 and host.counters.dropped_pages == 1 and host.counters.loaded_pages == 1
 
 
@@ -37,7 +37,7 @@ def test_a_held_page_is_never_overwritten():
     host.store(b"a", page_of(1.0))
     held = host.hold([b"a"])
     host.store(b"b", page_of(2.0))  # no page to spare: "b" is not kept
-    assert b"b" not in host and torch.equal(host.page(held[0]), page_of(1.0))
+    assert b"b" not in host and torch.equal(host.page(held[0])[0], page_of(1.0))
     host.release(held)
     host.store(b"b", page_of(2.0))
     assert b"b" in host and b"a" not in host

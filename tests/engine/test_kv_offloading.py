@@ -92,6 +92,27 @@ def test_offloading_options_that_cannot_be_served_are_named(options, message):
         EngineArgs(model="unused", **options)
 
 
-def test_a_hybrid_model_is_refused_by_name(checkpoint_dir):
-    with pytest.raises(ValueError, match="recurrent state"):
-        LLM(str(checkpoint_dir("qwen3-next")), page_size=8, kv_offloading_size=0.01)
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_a_hybrid_models_snapshots_come_back_from_host_memory_too(checkpoint_dir, family):
+    """One device snapshot to go round and a pool that must evict: the prefixes' pages and the
+    recurrent state after them go to host memory and come back, and nothing else changes."""
+    path = str(checkpoint_dir(family))
+    common = dict(page_size=8, max_model_len=96, max_num_batched_tokens=64, state_snapshot_interval=16)
+    plain_hybrid = LLM(path, enable_prefix_caching=False, **common)
+    tiered = LLM(
+        path,
+        num_state_snapshots=1,
+        kv_cache_memory_gb=pool_gb(plain_hybrid, 12),
+        kv_offloading_size=pool_gb(plain_hybrid, 64)
+        + 64 * plain_hybrid.engine.parts.recurrent.spec.bytes_per_slot() / 2**30,
+        **common,
+    )
+    assert tiered.engine.parts.kv.host_tier.snapshots is not None
+    for prompts in conversations(num_systems=3, rounds=3):
+        for prompt in prompts:  # one at a time: each takes the one device snapshot from the last
+            assert_same(run(tiered, [prompt], PARAMS), run(plain_hybrid, [prompt], PARAMS))
+    stats = tiered.engine.stats()
+    assert stats.kv_offload_hit_tokens >= 16  # at least one prefix came back whole, state and all
+    tier = tiered.engine.parts.kv.host_tier
+    assert tier.snapshots.counters.loaded_pages > 0 and tier.counters.loaded_pages > 0
+    assert stats.num_used_pages == 0 and stats.num_used_state_slots == 0
