@@ -37,6 +37,7 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
     from transformers import (
         Gemma3TextConfig,
         GptOssConfig,
+        Llama4TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -120,6 +121,30 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
+        # Llama 4's shape, small: chunked rope layers (chunks of 8) and a full no-rope layer
+        # with temperature tuning (its floor scaled down to act within the test's prompts), an
+        # L2 qk norm, and a MoE every second layer (top-1 of 4, a shared expert beside).
+        "llama4": Llama4TextConfig(
+            **dict(base, num_hidden_layers=4),
+            intermediate_size_mlp=96,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            architectures=["Llama4ForCausalLM"],
+        ),
     }
 
 
@@ -141,6 +166,7 @@ FAMILIES = (
     "gemma3",
     "phi3",
     "gpt-oss",
+    "llama4",
 )
 HYBRID_FAMILIES = ("qwen3-next", "qwen3.5")
 

@@ -93,6 +93,7 @@ class AttentionLayer(LayerSpec):
     state_group: str = KV_GROUP
     scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
     sinks: bool = False  # a learned logit per query head in each softmax (GPT-OSS)
+    chunk_size: int | None = None  # chunked local attention (Llama 4): within chunks of this size
 
     def for_rank(self, parallel: TensorParallel = SINGLE) -> AttentionLayerSpec:
         """The heads one rank computes: its query heads, its KV heads (replicated below one each)."""
@@ -103,6 +104,7 @@ class AttentionLayer(LayerSpec):
             scale=self.scale if self.scale is not None else self.head_dim**-0.5,
             sliding_window=self.sliding_window,
             sinks=self.sinks,
+            chunk_size=self.chunk_size,
         )
 
     def group_spec(

@@ -338,8 +338,12 @@ def load_rank_model(args: EngineArgs, parallel: TensorParallel, mtp_head: bool =
         raise ValueError(f"{spec.architecture} has no attention layer; the engine needs a KV group")
     windowed = any(layer.sliding_window is not None for layer in attention)
     sinks = any(layer.sinks for layer in attention)
+    chunked = any(layer.chunk_size is not None for layer in attention)
+    needs = BackendRequirements(
+        runtime.name, dtype, attention[0].head_dim, windowed, args.page_size, kv_dtype, sinks, chunked
+    )
     backend_cls = select_backend(
-        BackendRequirements(runtime.name, dtype, attention[0].head_dim, windowed, args.page_size, kv_dtype, sinks),
+        needs,
         args.attention_backend,
     )
     with log_duration(logger, f"loading {spec.architecture} weights ({args.load_format}) from {args.model}"):

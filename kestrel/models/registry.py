@@ -9,6 +9,7 @@ from kestrel.core.recipe import ModelRecipe
 _RECIPES: dict[str, str] = {
     "Gemma3ForCausalLM": "kestrel.models.gemma3:Gemma3Recipe",
     "GptOssForCausalLM": "kestrel.models.gpt_oss:GptOssRecipe",
+    "Llama4ForCausalLM": "kestrel.models.llama4:Llama4Recipe",
     "LlamaForCausalLM": "kestrel.models.llama:LlamaRecipe",
     "MistralForCausalLM": "kestrel.models.mistral:MistralRecipe",
     "MixtralForCausalLM": "kestrel.models.mixtral:MixtralRecipe",

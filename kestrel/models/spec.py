@@ -15,6 +15,7 @@ from kestrel.layers.rotary import RopeSpec
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"  # attention over the last `sliding_window` tokens only
 LINEAR_ATTENTION = "linear_attention"
+CHUNKED_ATTENTION = "chunked_attention"  # attention within chunks of `attention_chunk_size` (Llama 4)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class DecoderSpec(ModelSpec):
     local_rope: RopeSpec | None = None  # sliding-window layers' own rope, where it differs (Gemma 3)
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj whole (Phi-3)
     attention_sinks: bool = False  # a learned logit per query head in each softmax (GPT-OSS)
+    attention_chunk_size: int | None = None  # the chunked layers' chunk (Llama 4)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -107,6 +109,7 @@ class DecoderSpec(ModelSpec):
             self.window_of(index),
             scale=self.attention_scale,
             sinks=self.attention_sinks,
+            chunk_size=self.attention_chunk_size if self.layer_kind(index) == CHUNKED_ATTENTION else None,
         )
 
     def window_of(self, index: int) -> int | None:

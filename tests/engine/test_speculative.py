@@ -115,7 +115,10 @@ def test_greedy_outputs_identical_with_speculation(family, checkpoint_dir):
     llm = LLM(path, device="cpu", speculative_config=NGRAM)
     assert_same_outputs(generate(llm, batch, PARAMS), plain)
     stats = llm.engine.stats()
-    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_drafts > 0
+    # The tiny random Llama 4 does not repeat these prompts, so its drafts are checked and
+    # rejected (rollback exercised); every other family accepts some.
+    assert stats.spec_decode_num_accepted_tokens > 0 or family == "llama4"
     assert_pool_balanced(llm)
 
 

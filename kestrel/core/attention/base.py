@@ -33,6 +33,9 @@ class AttentionLayerSpec:
     scale: float
     sliding_window: int | None = None
     sinks: bool = False  # a learned logit per query head joins each softmax (GPT-OSS)
+    # Chunked local attention (Llama 4): a token sees only the earlier tokens of its own chunk
+    # of this many positions.
+    chunk_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class BackendCapabilities:
     # KV pool dtypes it reads and writes besides the model's own (a quantized cache).
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
     sinks: bool = False  # takes `forward(..., sinks=)`
+    chunked_attention: bool = False  # masks by `AttentionLayerSpec.chunk_size`
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class BackendRequirements:
     page_size: int
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
     sinks: bool = False
+    chunked_attention: bool = False
 
 
 class AttentionBackend(StepBinder, ABC):
@@ -89,6 +94,8 @@ class AttentionBackend(StepBinder, ABC):
             reasons.append("sliding-window attention not supported")
         if needs.sinks and not caps.sinks:
             reasons.append("attention sinks not supported")
+        if needs.chunked_attention and not caps.chunked_attention:
+            reasons.append("chunked local attention not supported")
         return reasons
 
     @classmethod

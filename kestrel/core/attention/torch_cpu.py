@@ -50,7 +50,7 @@ class _StepIndex:
     slot_pages: torch.Tensor
     slot_offsets: torch.Tensor
     appended: tuple[torch.Tensor, torch.Tensor]  # (row, position) of each decode row's new token
-    masks: dict[tuple[int | None, int], torch.Tensor | None]
+    masks: dict[tuple[int | None, int | None, int], torch.Tensor | None]
 
     @classmethod
     def of(cls, metadata: AttentionMetadata, page_size: int) -> _StepIndex:
@@ -62,7 +62,7 @@ class _StepIndex:
         return cls(slots, slots // page_size, slots % page_size, appended, {})
 
     def decode_mask(self, meta: DecodeMetadata, layer: AttentionLayerSpec, width: int) -> torch.Tensor | None:
-        key = (layer.sliding_window, width)
+        key = (layer.sliding_window, layer.chunk_size, width)
         if key not in self.masks:
             self.masks[key] = _decode_mask(meta, layer, width)
         return self.masks[key]
@@ -101,6 +101,7 @@ class TorchCpuBackend(TorchReferenceBackend):
         cuda_graphs=False,
         page_sizes=None,
         sinks=True,
+        chunked_attention=True,
     )
 
     def __init__(self, device: torch.device, page_size: int) -> None:
@@ -162,7 +163,8 @@ class TorchCpuBackend(TorchReferenceBackend):
         output: torch.Tensor,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        if layer.sliding_window is not None or any(meta.num_cached_tokens) or sinks is not None:
+        special = layer.sliding_window is not None or layer.chunk_size is not None or sinks is not None
+        if special or any(meta.num_cached_tokens):
             super().prefill(query, key, value, cache, meta, layer, output, sinks)
             return
         # Nothing cached: each sequence's context is exactly its new rows.
@@ -211,9 +213,11 @@ def _decode_mask(meta: DecodeMetadata, layer: AttentionLayerSpec, width: int) ->
     """Which keys each decode row may see; None when every row sees all `width` of them."""
     seq_lens = meta.seq_lens[:, None]
     key_positions = torch.arange(width)[None, :]
-    if layer.sliding_window is None and bool((seq_lens == width).all()):
+    if layer.sliding_window is None and layer.chunk_size is None and bool((seq_lens == width).all()):
         return None
     mask = key_positions < seq_lens
     if layer.sliding_window is not None:
         mask &= key_positions >= seq_lens - layer.sliding_window
+    if layer.chunk_size is not None:  # the new token's chunk starts here
+        mask &= key_positions >= (seq_lens - 1) // layer.chunk_size * layer.chunk_size
     return mask[:, None, None, :]

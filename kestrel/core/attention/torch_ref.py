@@ -26,6 +26,7 @@ class TorchReferenceBackend(PagedAttentionBackend):
         page_sizes=None,
         kv_cache_dtypes=FLOAT8_KV_DTYPES,
         sinks=True,
+        chunked_attention=True,
     )
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -134,6 +135,8 @@ def _decode_attention(
     mask = key_positions[None, :] < seq_lens
     if layer.sliding_window is not None:
         mask &= key_positions[None, :] >= seq_lens - layer.sliding_window
+    if layer.chunk_size is not None:  # the new token's chunk starts here
+        mask &= key_positions[None, :] >= (seq_lens - 1) // layer.chunk_size * layer.chunk_size
     # The query heads sharing a KV head become that head's "query rows": one plain
     # attention per KV head, with no copy of K and V per query head.
     rows, group = query.shape[0], layer.num_heads // layer.num_kv_heads
@@ -160,6 +163,8 @@ def prefill_attention(
         mask = key_positions <= query_positions
         if layer.sliding_window is not None:
             mask &= key_positions > query_positions - layer.sliding_window
+        if layer.chunk_size is not None:
+            mask &= key_positions >= query_positions // layer.chunk_size * layer.chunk_size
         out = attention(
             query[start:end].transpose(0, 1)[None],
             keys,
