@@ -7,6 +7,8 @@ matmul over all of its tokens: the Python loop is over experts, never over token
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -145,23 +147,28 @@ class SparseMoe(nn.Module):
 
     def grouped(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The torch path: one matmul per expert over its tokens (reads counts to the host)."""
-        flat_experts = experts.flatten()
-        order = flat_experts.argsort(stable=True)
-        token_rows = order // experts.shape[1]  # choices per token: top_k, plus any always-on expert
-        token_weights = weights.flatten()[order]
-        counts = torch.bincount(flat_experts, minlength=self.num_stacked).tolist()
         out = torch.zeros_like(hidden)
         w13, w2 = self.experts.w13, self.experts.w2
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_rows[start : start + count]
+        for expert, rows, row_weights in tokens_by_expert(experts, weights, self.num_stacked):
             gate, up = ops.linear(hidden[rows], w13.expert(expert, hidden.dtype)).chunk(2, dim=-1)
             expert_out = ops.linear(F.silu(gate) * up, w2.expert(expert, hidden.dtype))
-            out.index_add_(0, rows, expert_out * token_weights[start : start + count, None])
-            start += count
+            out.index_add_(0, rows, expert_out * row_weights[:, None])
         return out
+
+
+def tokens_by_expert(
+    experts: torch.Tensor, weights: torch.Tensor, num_experts: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, the rows of the tokens that chose it, their weights) for every expert chosen,
+    from experts and weights [tokens, choices]: one sort, one count read to the host."""
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    token_rows, token_weights = order // experts.shape[1], weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if count:
+            yield expert, token_rows[start : start + count], token_weights[start : start + count]
+            start += count
 
 
 def expert_mappings(num_experts: int, source_prefix: str, names: dict[str, str]) -> list[PackedMapping]:

@@ -22,6 +22,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.linear import Linear, RowParallelLinear, copy_into
+from kestrel.layers.moe import tokens_by_expert
 from kestrel.models.dense import (
     DecoderAttention,
     DecoderForCausalLM,
@@ -122,20 +123,12 @@ class GptOssMoe(nn.Module):
         return out + (weights[..., None] * bias).sum(dim=1).to(out.dtype)
 
     def _experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        token_rows, token_weights = order // self.top_k, weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.experts.gate_up_proj.shape[0]).tolist()
         out = torch.zeros_like(hidden)
-        params, start = self.experts, 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_rows[start : start + count]
+        params = self.experts
+        for expert, rows, row_weights in tokens_by_expert(experts, weights, params.gate_up_proj.shape[0]):
             gate_up = ops.linear(hidden[rows], params.gate_up_proj[expert]) + params.gate_up_proj_bias[expert]
             down = ops.linear(swiglu(gate_up), params.down_proj[expert])
-            out.index_add_(0, rows, down * token_weights[start : start + count, None])
-            start += count
+            out.index_add_(0, rows, down * row_weights[:, None])
         return out
 
 

@@ -24,6 +24,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from kestrel.layers.moe import tokens_by_expert
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import rotary_cos_sin
 from kestrel.models.dense import (
@@ -165,20 +166,11 @@ class Llama4Moe(nn.Module):
         return self.shared_expert(hidden) + routed
 
     def _experts(self, hidden: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        token_rows, token_scores = order // self.top_k, scores.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.experts.gate_up_proj.shape[0]).tolist()
         out = torch.zeros_like(hidden)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_rows[start : start + count]
-            routed_in = hidden[rows] * token_scores[start : start + count, None]
-            gate, up = ops.linear(routed_in, self.experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            out.index_add_(0, rows, ops.linear(F.silu(gate) * up, self.experts.down_proj[expert]))
-            start += count
+        params = self.experts
+        for expert, rows, row_scores in tokens_by_expert(experts, scores, params.gate_up_proj.shape[0]):
+            gate, up = ops.linear(hidden[rows] * row_scores[:, None], params.gate_up_proj[expert]).chunk(2, dim=-1)
+            out.index_add_(0, rows, ops.linear(F.silu(gate) * up, params.down_proj[expert]))
         return out
 
 
