@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kestrel.core.layer_spec import AttentionLayer
-from kestrel.layers.moe import SparseMoe
+from kestrel.layers.moe import RoutedExperts
 from kestrel.layers.quantized import WIDE_MIN_ROWS, Fp8Weight, Int4Weight, PackedWeight
 
 
@@ -51,7 +50,8 @@ class ModelCost:
     def of(cls, parts) -> ModelCost:
         """The cost of the model an engine runs (its parameters as loaded, its pools)."""
         model, spec = parts.runner.model, parts.spec
-        experts = tuple(_expert_stack(module) for module in model.modules() if isinstance(module, SparseMoe))
+        # Every mixture of experts says what its routed experts are (`routed_experts`).
+        experts = tuple(_expert_stack(m.routed_experts()) for m in model.modules() if hasattr(m, "routed_experts"))
         expert_bytes = sum(stack.bytes_per_expert * stack.num_experts for stack in experts)
         expert_params = sum(stack.params_per_expert * stack.num_experts for stack in experts)
         table = spec.vocab_size * spec.hidden_size
@@ -106,12 +106,11 @@ def _packed_params_unpacked(packed: list[PackedWeight]) -> int:
     return hidden
 
 
-def _expert_stack(moe: SparseMoe) -> ExpertStack:
+def _expert_stack(routed: RoutedExperts) -> ExpertStack:
     """The routed experts; an always-on expert stacked after them counts as dense."""
-    weights: list[nn.Parameter] = [moe.experts.w13.weight, moe.experts.w2.weight]
-    params = sum(w.numel() for w in weights) // moe.num_stacked
-    num_bytes = sum(w.numel() * w.element_size() for w in weights) // moe.num_stacked
-    return ExpertStack(moe.num_experts, moe.top_k, num_bytes, params)
+    params = sum(t.numel() // t.shape[0] for t in routed.tensors)
+    num_bytes = sum(t.numel() // t.shape[0] * t.element_size() for t in routed.tensors)
+    return ExpertStack(routed.num_experts, routed.top_k, num_bytes, params)
 
 
 def memory_limit_tokens_per_s(

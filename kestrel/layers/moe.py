@@ -8,6 +8,7 @@ matmul over all of its tokens: the Python loop is over experts, never over token
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,17 @@ from kestrel.core.weight_bindings import PackedMapping, WeightBindingError
 from kestrel.layers import ops
 from kestrel.layers.linear import Linear, ShardSlice, copy_into
 from kestrel.layers.quantized import E4M3_MAX, FP8_MIN_SCALE
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """What a mixture of experts reads per routed expert, for counting the bytes a step really
+    reads (bench/limits.py): each tensor is stacked by expert along dim 0, the routed experts
+    first (an always-on expert stacked after them is read every step)."""
+
+    num_experts: int  # the router picks from these
+    top_k: int
+    tensors: tuple[torch.Tensor, ...]
 
 
 class StackedExpertWeight(nn.Module):
@@ -127,6 +139,9 @@ class SparseMoe(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mix_experts(hidden, *self.route(hidden))
+
+    def routed_experts(self) -> RoutedExperts:
+        return RoutedExperts(self.num_experts, self.top_k, (self.experts.w13.weight, self.experts.w2.weight))
 
     def quantize(self, method: str) -> None:
         """`quantize_linears` for the experts: float8 rows ("fp8"); other methods keep them."""

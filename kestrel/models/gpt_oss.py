@@ -22,7 +22,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.linear import Linear, RowParallelLinear, copy_into
-from kestrel.layers.moe import tokens_by_expert
+from kestrel.layers.moe import RoutedExperts, tokens_by_expert
 from kestrel.models.dense import (
     DecoderAttention,
     DecoderForCausalLM,
@@ -121,6 +121,11 @@ class GptOssMoe(nn.Module):
         out = self.parallel.all_reduce(self._experts(hidden, weights, experts))
         bias = self.experts.down_proj_bias[experts]  # [tokens, k, hidden]
         return out + (weights[..., None] * bias).sum(dim=1).to(out.dtype)
+
+    def routed_experts(self) -> RoutedExperts:
+        params = self.experts
+        tensors = (params.gate_up_proj, params.gate_up_proj_bias, params.down_proj, params.down_proj_bias)
+        return RoutedExperts(params.gate_up_proj.shape[0], self.top_k, tensors)
 
     def _experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)

@@ -24,7 +24,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from kestrel.layers.moe import tokens_by_expert
+from kestrel.layers.moe import RoutedExperts, tokens_by_expert
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import rotary_cos_sin
 from kestrel.models.dense import (
@@ -164,6 +164,10 @@ class Llama4Moe(nn.Module):
         scores = torch.sigmoid(top.float()).to(hidden.dtype)
         routed = self.parallel.all_reduce(self._experts(hidden, scores, experts))
         return self.shared_expert(hidden) + routed
+
+    def routed_experts(self) -> RoutedExperts:
+        params = self.experts
+        return RoutedExperts(params.gate_up_proj.shape[0], self.top_k, (params.gate_up_proj, params.down_proj))
 
     def _experts(self, hidden: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)

@@ -48,7 +48,7 @@ def test_compute_limit_counts_the_lm_head_for_sampled_positions_only():
     assert compute_limit_tokens_per_s(cost, 2, 3, 1, 560.0) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "qwen3-moe", "llama-mqa-tied"])
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3-moe", "llama-mqa-tied", "gpt-oss", "llama4"])
 def test_model_cost_splits_a_loaded_model(checkpoint_dir, family):
     from kestrel import LLM
 
@@ -60,10 +60,16 @@ def test_model_cost_splits_a_loaded_model(checkpoint_dir, family):
     table = parts.spec.vocab_size * parts.spec.hidden_size * 4
     untied_table = 0 if parts.spec.tie_word_embeddings else table
     assert cost.dense_weight_bytes + expert_total + untied_table == total
-    assert len(cost.experts) == {"qwen3-next": 2, "qwen3-moe": 1, "llama-mqa-tied": 0}[family]
+    counts = {"qwen3-next": 2, "qwen3-moe": 1, "llama-mqa-tied": 0, "gpt-oss": 3, "llama4": 2}
+    assert len(cost.experts) == counts[family]
+    per_expert = {  # float32 gate, up and down (GPT-OSS: and their biases), per expert
+        "gpt-oss": (3 * 64 * 128 + 2 * 128 + 64) * 4,
+        "llama4": 3 * 64 * 128 * 4,
+    }
+    tops = {"gpt-oss": 4, "llama4": 1}
     for stack in cost.experts:
-        assert stack.bytes_per_expert == 3 * 64 * 32 * 4  # gate, up, down of 64 x 32, float32
-        assert stack.top_k == 2
+        assert stack.bytes_per_expert == per_expert.get(family, 3 * 64 * 32 * 4)
+        assert stack.top_k == tops.get(family, 2)
     assert (cost.weight_bytes(1) < total) == bool(cost.experts)
     kv_layers = len(parts.spec.attention_layers())
     assert cost.kv_bytes_per_token == 2 * kv_layers * parts.kv.spec.num_kv_heads * parts.kv.spec.head_dim * 4
