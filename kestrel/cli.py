@@ -12,7 +12,7 @@ from kestrel.engine.options import add_engine_options, engine_kwargs
 # Benchmarks in a module of their own, kestrel/bench/NAME.py, which holds
 # add_NAME_bench_options(parser) and run_NAME_benchmark(args).
 OWN_MODULE_BENCHES = {
-    "prefix": "shared system prompt: prefix caching on vs off",
+    "prefix": "shared system prompts: prefix caching on vs off, or without vs with the host KV tier",
     "startup": "time from LLM(model=...) to the first token, fresh processes",
     "structured": "every request JSON-schema constrained vs none",
     "speculative": "batch-1 copy tasks decoded plainly vs speculatively",
