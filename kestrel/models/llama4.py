@@ -21,7 +21,7 @@ from torch import nn
 
 from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.weight_bindings import WeightBindingError, WeightBindings
+from kestrel.core.weight_bindings import SkippedPrefix, WeightBindingError, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from kestrel.layers.moe import RoutedExperts, tokens_by_expert
@@ -275,3 +275,23 @@ class Llama4Recipe(DenseDecoderRecipe):
 
     def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         return decoder_bindings(model, spec)
+
+
+class Llama4VisionLanguageRecipe(Llama4Recipe):
+    """A Llama 4 release (`Llama4ForConditionalGeneration`, as Meta publishes Scout and
+    Maverick): its `text_config` and `language_model.*` weights; the vision tower is skipped."""
+
+    architectures = ("Llama4ForConditionalGeneration",)
+
+    def spec(self, hf_config: object) -> Llama4Spec:
+        text = getattr(hf_config, "text_config", None)
+        if text is None:
+            raise ValueError("a Llama 4 vision-language config has no text_config")
+        return super().spec(text)
+
+    def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
+        skipped = tuple(
+            SkippedPrefix(prefix, "the vision tower (Kestrel serves the text model)")
+            for prefix in ("vision_model.", "multi_modal_projector.")
+        )
+        return decoder_bindings(model, spec, skipped=skipped, renamed_prefixes={"language_model.": ""})

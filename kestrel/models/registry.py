@@ -10,6 +10,7 @@ _RECIPES: dict[str, str] = {
     "Gemma3ForCausalLM": "kestrel.models.gemma3:Gemma3Recipe",
     "GptOssForCausalLM": "kestrel.models.gpt_oss:GptOssRecipe",
     "Llama4ForCausalLM": "kestrel.models.llama4:Llama4Recipe",
+    "Llama4ForConditionalGeneration": "kestrel.models.llama4:Llama4VisionLanguageRecipe",
     "LlamaForCausalLM": "kestrel.models.llama:LlamaRecipe",
     "MistralForCausalLM": "kestrel.models.mistral:MistralRecipe",
     "MixtralForCausalLM": "kestrel.models.mixtral:MixtralRecipe",

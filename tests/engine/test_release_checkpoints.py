@@ -67,6 +67,39 @@ def test_vision_language_release_serves_its_text_model(moe, tmp_path, caplog):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt)
 
 
+def test_llama4_release_serves_its_text_model(tmp_path, caplog):
+    """A tiny `Llama4ForConditionalGeneration` (text model under `language_model.`, a vision
+    tower and projector beside it): the text model's greedy tokens, the rest skipped by name."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from tests.checkpoints import _family_configs
+
+    text = _family_configs(len(tokenizer()), tokenizer().eos_token_id)["llama4"].to_dict()
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+        vision_output_dim=64,
+        projector_input_dim=64,
+        projector_output_dim=64,
+        pixel_shuffle_ratio=0.5,
+    )
+    torch.manual_seed(0)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).float().eval()
+    model.save_pretrained(tmp_path)
+    tokenizer().save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        llm = LLM(str(tmp_path), kv_cache_memory_gb=0.05, page_size=8)
+    skipped = " ".join(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
+    assert "under vision_model." in skipped and "under multi_modal_projector." in skipped
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model.language_model, prompt)
+
+
 def test_quantized_checkpoint_names_the_method(checkpoint_dir, tmp_path):
     quantized = tmp_path / "quantized"
     shutil.copytree(checkpoint_dir("llama"), quantized)
