@@ -97,7 +97,7 @@ class PrefixReuse:
 
     def _host_run(self, tokens: list[int], pages: list[int], usable: int) -> tuple[bytes, ...]:
         """The digests of the pages after `pages` that the host tier holds, up to `usable`."""
-        tier = self.kv.host_tier
+        tier = self.tier
         if tier is None or len(pages) >= usable:
             return ()
         size = self.cache.page_size

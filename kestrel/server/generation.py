@@ -125,7 +125,12 @@ class Generation:
         try:
             token_ids, export, imported = await self._handoff_inputs(prompt)
             async for delta in self.client.generate(
-                engine_id, token_ids, self.choice_params(index), True, export, imported
+                engine_id,
+                token_ids,
+                self.choice_params(index),
+                reserved=True,
+                export_state=export,
+                imported_state=imported,
             ):
                 now = time.monotonic()
                 timer.tokens(now, len(delta.new_token_ids), delta.queue_seconds)

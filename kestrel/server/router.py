@@ -134,7 +134,7 @@ class Router:
         try:
             return await self.client.post(f"{instance.url}{path}", json=body, headers=headers)
         except httpx.HTTPError as error:
-            self._failed(instance, error)
+            self.failed(instance, error)
             if raise_connect and isinstance(error, httpx.ConnectError):
                 raise
             raise _gateway_error(instance, error) from None
@@ -148,7 +148,7 @@ class Router:
             upstream = await self.client.send(request, stream=True)
         except httpx.HTTPError as error:
             instance.in_flight -= 1
-            self._failed(instance, error)
+            self.failed(instance, error)
             raise _gateway_error(instance, error) from None
         if upstream.status_code != 200:
             content = await upstream.aread()
@@ -165,7 +165,7 @@ class Router:
             async for chunk in upstream.aiter_raw():
                 yield chunk
         except httpx.HTTPError as error:
-            self._failed(instance, error)
+            self.failed(instance, error)
             body = _gateway_error(instance, error).body()
             yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
         finally:
@@ -176,7 +176,8 @@ class Router:
         instance.in_flight += 1
         self.metrics.requests.labels(instance.role, instance.url).inc()
 
-    def _failed(self, instance: Instance, error: httpx.HTTPError) -> None:
+    def failed(self, instance: Instance, error: httpx.HTTPError) -> None:
+        """Set the instance aside for a while, and count the failure."""
         instance.mark_down(f"{type(error).__name__}: {error}")
         self.metrics.failures.labels(instance.role, instance.url).inc()
 
@@ -219,7 +220,7 @@ def build_router_app(router: Router) -> FastAPI:
         try:
             response = await router.client.get(f"{instance.url}/v1/models", headers=headers)
         except httpx.HTTPError as error:
-            router._failed(instance, error)
+            router.failed(instance, error)
             raise _gateway_error(instance, error) from None
         return Response(response.content, response.status_code, media_type="application/json")
 
