@@ -19,7 +19,7 @@ from torch import nn
 
 from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.weight_bindings import WeightBindingError, WeightBindings
+from kestrel.core.weight_bindings import WeightBindings, copy_whole
 from kestrel.layers import ops
 from kestrel.layers.linear import Linear, RowParallelLinear, copy_into
 from kestrel.layers.moe import RoutedExperts, tokens_by_expert
@@ -97,11 +97,7 @@ class GptOssExperts(nn.Module):
             tensor = stacked.transpose(1, 2) if param is self.gate_up_proj else stacked
         elif param is self.down_proj:  # checkpoint [experts, inter, hidden]
             tensor = self.inner.take(tensor, 1, what).transpose(1, 2)
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise WeightBindingError(
-                f"shape mismatch for {what}: expected {tuple(param.shape)}, got {tuple(tensor.shape)}"
-            )
-        param.data.copy_(tensor)
+        copy_whole(param, tensor)  # bindings name the tensor in any shape error
 
 
 class GptOssMoe(nn.Module):

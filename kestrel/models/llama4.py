@@ -21,7 +21,7 @@ from torch import nn
 
 from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.weight_bindings import SkippedPrefix, WeightBindingError, WeightBindings
+from kestrel.core.weight_bindings import SkippedPrefix, WeightBindings, copy_whole
 from kestrel.layers import ops
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from kestrel.layers.moe import RoutedExperts, tokens_by_expert
@@ -142,10 +142,7 @@ class Llama4Experts(nn.Module):
             tensor = torch.cat((self.inner.take(gate, 2, what), self.inner.take(up, 2, what)), dim=2).transpose(1, 2)
         else:
             tensor = self.inner.take(tensor, 1, what).transpose(1, 2)
-        if tuple(param.shape) != tuple(tensor.shape):
-            expected, got = tuple(param.shape), tuple(tensor.shape)
-            raise WeightBindingError(f"shape mismatch for {what}: expected {expected}, got {got}")
-        param.data.copy_(tensor)
+        copy_whole(param, tensor)  # bindings name the tensor in any shape error
 
 
 class Llama4Moe(nn.Module):
