@@ -35,6 +35,8 @@ HYBRID = dict(
 
 def _family_configs(vocab_size: int, eos: int) -> dict:
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
         Gemma3TextConfig,
         GptOssConfig,
         Llama4TextConfig,
@@ -145,12 +147,60 @@ def _family_configs(vocab_size: int, eos: int) -> dict:
             },
             architectures=["Llama4ForCausalLM"],
         ),
+        # Multi-head latent attention without a query bottleneck (V2-Lite's shape), a dense
+        # first layer, then 2 of 8 experts by softmax within the best 2 of 4 groups, 2 shared.
+        "deepseek-v2": DeepseekV2Config(
+            **dict(base, num_hidden_layers=3),
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=24,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        ),
+        # V3's shape: a query bottleneck, sigmoid routing with a correction bias over groups
+        # ranked by their two best experts, renormalised weights, and YaRN with DeepSeek's
+        # mscale (the scores' scale grows with it); prompts run past the pretraining length.
+        "deepseek-v3": DeepseekV3Config(
+            **dict(base, num_hidden_layers=3),
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
     }
 
 
 # Parameters transformers initializes to zero or not at all where a family's are trained to
 # something else: random here, so the tests see them.
-RANDOMIZED = {"gpt-oss": ("sinks", "bias")}
+RANDOMIZED = {"gpt-oss": ("sinks", "bias"), "deepseek-v3": ("e_score_correction_bias",)}
 
 
 FAMILIES = (
@@ -167,6 +217,8 @@ FAMILIES = (
     "phi3",
     "gpt-oss",
     "llama4",
+    "deepseek-v2",
+    "deepseek-v3",
 )
 HYBRID_FAMILIES = ("qwen3-next", "qwen3.5")
 
@@ -184,9 +236,9 @@ def write_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
             if any(part in name for part in RANDOMIZED.get(family, ())):
-                param.copy_(torch.randn_like(param) * 0.5)
+                tensor.copy_(torch.randn_like(tensor) * 0.5)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory

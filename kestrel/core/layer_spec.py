@@ -94,6 +94,7 @@ class AttentionLayer(LayerSpec):
     scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
     sinks: bool = False  # a learned logit per query head in each softmax (GPT-OSS)
     chunk_size: int | None = None  # chunked local attention (Llama 4): within chunks of this size
+    latent_dim: int | None = None  # MLA: keys are latents of this width + rotary dims, values the latents
 
     def for_rank(self, parallel: TensorParallel = SINGLE) -> AttentionLayerSpec:
         """The heads one rank computes: its query heads, its KV heads (replicated below one each)."""
@@ -105,13 +106,14 @@ class AttentionLayer(LayerSpec):
             sliding_window=self.sliding_window,
             sinks=self.sinks,
             chunk_size=self.chunk_size,
+            latent_dim=self.latent_dim,
         )
 
     def group_spec(
         self, num_layers: int, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, parallel: TensorParallel
     ) -> StateGroupSpec:
         kv_heads = self.for_rank(parallel).num_kv_heads
-        return PagedKVGroup(KVCacheSpec(num_layers, kv_heads, self.head_dim, kv_dtype, page_size))
+        return PagedKVGroup(KVCacheSpec(num_layers, kv_heads, self.head_dim, kv_dtype, page_size, self.latent_dim))
 
 
 @dataclass(frozen=True)

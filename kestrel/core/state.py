@@ -35,10 +35,17 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     page_size: int
+    # MLA: values are the first `latent_dim` dims of each key, so only keys are stored.
+    latent_dim: int | None = None
+
+    @property
+    def kinds(self) -> int:
+        """Tensors stored per layer: keys and values, or keys alone (latent)."""
+        return 1 if self.latent_dim is not None else 2
 
     def bytes_per_page(self) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        per_token = self.kinds * self.num_layers * self.num_kv_heads * self.head_dim * element_size
         return per_token * self.page_size
 
     def pages_for_budget(self, budget_bytes: int) -> int:
@@ -227,12 +234,14 @@ class KVLayerCache:
     block per head: the layout attention kernels read fastest. A float8 pool stores each
     page's values slot-minor ([head_dim, page_size] in memory; `value` is a strided view,
     `values_by_slot`): a kernel then reads them as the second dot needs them, along the
-    keys, in whole vectors rather than byte by byte.
+    keys, in whole vectors rather than byte by byte. A latent pool (MLA) stores keys only:
+    `value` is a view of each key's leading `latent_dim` dims.
     """
 
     key: torch.Tensor
     value: torch.Tensor
     layer_index: int = 0  # its index in the pool: a backend keys per-layer caches by it
+    values_in_keys: bool = False  # a latent pool: storing the keys stores the values
 
     @property
     def values_by_slot(self) -> bool:
@@ -264,14 +273,17 @@ class PagedKVProvider(StateProvider):
         self.scratch_id = num_pages
         self.layout = layout or KVLayout(values_by_slot=spec.dtype in FLOAT8_KV_DTYPES)
         self.host_tier: HostKVTier | None = None  # `attach_host_tier`
-        shape = (spec.num_layers, 2, spec.num_kv_heads, num_pages + 1, spec.page_size, spec.head_dim)
+        shape = (spec.num_layers, spec.kinds, spec.num_kv_heads, num_pages + 1, spec.page_size, spec.head_dim)
         # Zeros, not empty: masked-out positions are multiplied by zero weights, and
         # uninitialised memory may hold NaN, which would survive that multiplication.
         self._storage = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self._layers = tuple(
-            KVLayerCache(key=layer[0], value=self._values(layer[1]), layer_index=index)
-            for index, layer in enumerate(self._storage.unbind(0))
-        )
+        self._layers = tuple(self._layer_cache(layer, index) for index, layer in enumerate(self._storage.unbind(0)))
+
+    def _layer_cache(self, pages: torch.Tensor, index: int) -> KVLayerCache:
+        if self.spec.latent_dim is not None:
+            keys = pages[0]
+            return KVLayerCache(keys, keys[..., : self.spec.latent_dim], index, values_in_keys=True)
+        return KVLayerCache(key=pages[0], value=self._values(pages[1]), layer_index=index)
 
     def _values(self, pages: torch.Tensor) -> torch.Tensor:
         """One layer's value pages, as KVLayerCache describes them."""
@@ -311,7 +323,7 @@ class PagedKVProvider(StateProvider):
         return num_tokens  # keys and values past it are simply overwritten later
 
     def export(self, request_id: str) -> list[torch.Tensor]:
-        """Every layer's keys and values of the request's pages: [layers, 2, heads, pages, page, dim]."""
+        """Every layer's keys and values of the request's pages: [layers, kinds, heads, pages, page, dim]."""
         pages = torch.tensor(self.allocator.pages_of(request_id), dtype=torch.long, device=self._storage.device)
         return [self._storage.index_select(3, pages).to("cpu", non_blocking=False)]
 

@@ -339,8 +339,9 @@ def load_rank_model(args: EngineArgs, parallel: TensorParallel, mtp_head: bool =
     windowed = any(layer.sliding_window is not None for layer in attention)
     sinks = any(layer.sinks for layer in attention)
     chunked = any(layer.chunk_size is not None for layer in attention)
+    latent = any(layer.latent_dim is not None for layer in attention)
     needs = BackendRequirements(
-        runtime.name, dtype, attention[0].head_dim, windowed, args.page_size, kv_dtype, sinks, chunked
+        runtime.name, dtype, attention[0].head_dim, windowed, args.page_size, kv_dtype, sinks, chunked, latent
     )
     backend_cls = select_backend(
         needs,

@@ -20,13 +20,16 @@ from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RopeSpec, rotary_cos_sin
 from kestrel.models.spec import DecoderSpec
 
-PACKED_MAPPINGS = (
+ATTENTION_MAPPINGS = (
     PackedMapping("q_proj", "qkv_proj", "q"),
     PackedMapping("k_proj", "qkv_proj", "k"),
     PackedMapping("v_proj", "qkv_proj", "v"),
+)
+MLP_MAPPINGS = (
     PackedMapping("gate_proj", "gate_up_proj", "gate"),
     PackedMapping("up_proj", "gate_up_proj", "up"),
 )
+PACKED_MAPPINGS = ATTENTION_MAPPINGS + MLP_MAPPINGS
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -232,10 +235,12 @@ def decoder_bindings(
     extra: tuple[PackedMapping, ...] = (),
     skipped: tuple[SkippedPrefix, ...] = (),
     renamed_prefixes: dict[str, str] | None = None,
+    mappings: tuple[PackedMapping, ...] = PACKED_MAPPINGS,
 ) -> WeightBindings:
+    """`mappings`: the checkpoint projections stacked into one layer (q, k, v; gate, up)."""
     # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): skip it.
     ignored = ("lm_head.weight",) if spec.tie_word_embeddings else ()
-    return WeightBindings(model, extra + PACKED_MAPPINGS, ignored, skipped, renamed_prefixes)
+    return WeightBindings(model, extra + mappings, ignored, skipped, renamed_prefixes)
 
 
 def read_rope(hf_config: object, allow_partial: bool = False) -> RopeSpec:

@@ -7,6 +7,8 @@ import importlib
 from kestrel.core.recipe import ModelRecipe
 
 _RECIPES: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "kestrel.models.deepseek:DeepseekV2Recipe",
+    "DeepseekV3ForCausalLM": "kestrel.models.deepseek:DeepseekV3Recipe",
     "Gemma3ForCausalLM": "kestrel.models.gemma3:Gemma3Recipe",
     "GptOssForCausalLM": "kestrel.models.gpt_oss:GptOssRecipe",
     "Llama4ForCausalLM": "kestrel.models.llama4:Llama4Recipe",

@@ -48,7 +48,7 @@ def test_compute_limit_counts_the_lm_head_for_sampled_positions_only():
     assert compute_limit_tokens_per_s(cost, 2, 3, 1, 560.0) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "qwen3-moe", "llama-mqa-tied", "gpt-oss", "llama4"])
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3-moe", "llama-mqa-tied", "gpt-oss", "llama4", "deepseek-v3"])
 def test_model_cost_splits_a_loaded_model(checkpoint_dir, family):
     from kestrel import LLM
 
@@ -60,7 +60,7 @@ def test_model_cost_splits_a_loaded_model(checkpoint_dir, family):
     table = parts.spec.vocab_size * parts.spec.hidden_size * 4
     untied_table = 0 if parts.spec.tie_word_embeddings else table
     assert cost.dense_weight_bytes + expert_total + untied_table == total
-    counts = {"qwen3-next": 2, "qwen3-moe": 1, "llama-mqa-tied": 0, "gpt-oss": 3, "llama4": 2}
+    counts = {"qwen3-next": 2, "qwen3-moe": 1, "llama-mqa-tied": 0, "gpt-oss": 3, "llama4": 2, "deepseek-v3": 2}
     assert len(cost.experts) == counts[family]
     per_expert = {  # float32 gate, up and down (GPT-OSS: and their biases), per expert
         "gpt-oss": (3 * 64 * 128 + 2 * 128 + 64) * 4,
@@ -72,7 +72,8 @@ def test_model_cost_splits_a_loaded_model(checkpoint_dir, family):
         assert stack.top_k == tops.get(family, 2)
     assert (cost.weight_bytes(1) < total) == bool(cost.experts)
     kv_layers = len(parts.spec.attention_layers())
-    assert cost.kv_bytes_per_token == 2 * kv_layers * parts.kv.spec.num_kv_heads * parts.kv.spec.head_dim * 4
+    kinds = 1 if family == "deepseek-v3" else 2  # a latent pool stores keys alone
+    assert cost.kv_bytes_per_token == kinds * kv_layers * parts.kv.spec.num_kv_heads * parts.kv.spec.head_dim * 4
     state = parts.recurrent.spec.bytes_per_slot() if parts.recurrent else 0
     assert cost.recurrent_bytes_per_sequence == state
     assert (state > 0) == (family == "qwen3-next")

@@ -312,7 +312,9 @@ def test_recipe_binds_every_checkpoint_tensor_exactly(family, checkpoint_dir):
     config = AutoConfig.from_pretrained(path)
     recipe = recipe_for(config.architectures)
     spec = recipe.spec(config)
-    assert (spec.num_heads, spec.num_kv_heads) == (config.num_attention_heads, config.num_key_value_heads)
+    latent = spec.attention_layers()[0].latent_dim is not None  # MLA: one latent KV head
+    kv_heads = 1 if latent else config.num_key_value_heads
+    assert (spec.num_heads, spec.num_kv_heads) == (config.num_attention_heads, kv_heads)
     tensors = load_file(path / "model.safetensors")
 
     def bind_all(state: dict[str, torch.Tensor]) -> None:
@@ -327,6 +329,9 @@ def test_recipe_binds_every_checkpoint_tensor_exactly(family, checkpoint_dir):
     if "model.layers.1.self_attn.k_proj.weight" in tensors:
         del dropped["model.layers.1.self_attn.k_proj.weight"]
         missing = r"model\.layers\.1\.self_attn\.qkv_proj\.weight\[k\]"
+    elif latent:
+        del dropped["model.layers.1.self_attn.kv_b_proj.weight"]
+        missing = r"model\.layers\.1\.self_attn\.kv_b_proj\.weight"
     else:  # q, k and v in one checkpoint tensor (Phi-3)
         del dropped["model.layers.1.self_attn.qkv_proj.weight"]
         missing = r"model\.layers\.1\.self_attn\.qkv_proj\.weight"

@@ -61,6 +61,21 @@ def test_provider_sizes_the_pool_from_the_byte_budget():
         PagedKVProvider(spec, budget_bytes=10, device=torch.device("cpu"))
 
 
+def test_a_latent_pool_stores_keys_alone_and_reads_values_from_them():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=12, dtype=torch.float32, page_size=4, latent_dim=8)
+    assert spec.bytes_per_page() == 1 * 2 * 1 * 12 * 4 * 4  # no value pages
+    provider = PagedKVProvider(spec, budget_bytes=3 * spec.bytes_per_page(), device=torch.device("cpu"))
+    assert provider.num_pages == 3
+    layer = provider.layer(1)
+    assert layer.values_in_keys and layer.key.shape == (1, 4, 4, 12) and layer.value.shape == (1, 4, 4, 8)
+    from kestrel.core.attention.torch_ref import store_kv
+
+    key = torch.randn(5, 1, 12)
+    store_kv(layer, key, key[..., :8], torch.tensor([0, 1, 2, 3, 4]))
+    assert torch.equal(layer.value[0, :2].reshape(8, 8)[:5], key[:, 0, :8])
+    assert torch.equal(provider.layer(0).key, torch.zeros_like(provider.layer(0).key))  # layers apart
+
+
 # ---- the StateProvider contract, for every provider ---------------------------------------
 
 

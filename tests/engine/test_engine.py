@@ -45,7 +45,9 @@ def assert_pool_balanced(llm: LLM) -> None:
     assert stats.num_used_state_slots == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe", "mixtral", "qwen3-next", "qwen3.5", "gemma3", "phi3"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "qwen3-moe", "mixtral", "qwen3-next", "qwen3.5", "gemma3", "phi3", "deepseek-v2"]
+)
 def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     batch = prompts(8, 40)

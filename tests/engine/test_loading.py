@@ -9,6 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kestrel import LLM, SamplingParams
+from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
+from kestrel.models.registry import recipe_for
 from tests.checkpoints import tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -45,6 +47,18 @@ def test_dummy_weights_of_a_named_shape_need_no_checkpoint():
     assert len(output.outputs[0].token_ids) == 4 and output.outputs[0].text == ""
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text needs a tokenizer", use_tqdm=False)
+
+
+@pytest.mark.parametrize("name", sorted(DUMMY_CONFIGS))
+def test_every_named_shape_reads_as_its_recipe_expects(name):
+    config = dummy_hf_config(name)
+    spec = recipe_for(config.architectures).spec(config)
+    assert spec.num_layers == config.num_hidden_layers and spec.vocab_size == config.vocab_size
+    if name == "deepseek-v2-lite":  # one 576-dim latent per token and layer, not 16 heads' keys and values
+        (layer,) = {layer.for_rank() for layer in spec.attention_layers()}
+        assert (layer.num_kv_heads, layer.head_dim, layer.latent_dim) == (1, 576, 512)
+        kv = spec.state_groups(torch.bfloat16, torch.bfloat16, 16)["kv"].kv
+        assert kv.bytes_per_page() // 16 == 27 * 576 * 2
 
 
 def test_unsupported_dtype_is_a_clear_error(checkpoint_dir):

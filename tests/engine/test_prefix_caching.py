@@ -14,9 +14,10 @@ def random_tokens(count: int, seed: int) -> list[int]:
     return torch.randint(0, 500, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def engines(checkpoint_dir):
-    path = str(checkpoint_dir("llama"))
+# A latent (MLA) pool stores keys alone: its cached pages must serve as values too.
+@pytest.fixture(scope="module", params=["llama", "deepseek-v3"])
+def engines(checkpoint_dir, request):
+    path = str(checkpoint_dir(request.param))
     common = dict(page_size=8, max_num_batched_tokens=64)
     return LLM(path, enable_prefix_caching=True, **common), LLM(path, enable_prefix_caching=False, **common)
 
@@ -65,8 +66,9 @@ def test_prompt_logprobs_on_a_cached_prompt(engines):
         assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
 
 
-def test_memory_pressure_with_preemption_and_sharing(checkpoint_dir):
-    path = str(checkpoint_dir("llama"))
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3"])
+def test_memory_pressure_with_preemption_and_sharing(checkpoint_dir, family):
+    path = str(checkpoint_dir(family))
     system = random_tokens(32, seed=3)
     prompts = [system + random_tokens(8, seed=20 + i) for i in range(8)]
     ample = LLM(path, page_size=8, enable_prefix_caching=False)

@@ -36,6 +36,15 @@ class AttentionLayerSpec:
     # Chunked local attention (Llama 4): a token sees only the earlier tokens of its own chunk
     # of this many positions.
     chunk_size: int | None = None
+    # Multi-head latent attention (DeepSeek): each key is a latent of this many dims followed
+    # by its rotary part, shared by every head (one KV head), and the values are those latents:
+    # the pool keeps keys only, and the output is `latent_dim` wide per head.
+    latent_dim: int | None = None
+
+
+# How a KV pool holds a layer's state: keys and values apart, or one latent per token whose
+# leading dims are the values (multi-head latent attention).
+SEPARATE_KV, LATENT_KV = "keys and values", "latent"
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,8 @@ class BackendCapabilities:
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
     sinks: bool = False  # takes `forward(..., sinks=)`
     chunked_attention: bool = False  # masks by `AttentionLayerSpec.chunk_size`
+    # The pools it reads: LATENT_KV reads values as the keys' leading `latent_dim` dims.
+    kv_forms: frozenset[str] = frozenset({SEPARATE_KV})
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class BackendRequirements:
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
     sinks: bool = False
     chunked_attention: bool = False
+    latent_kv: bool = False
 
 
 class AttentionBackend(StepBinder, ABC):
@@ -96,6 +108,9 @@ class AttentionBackend(StepBinder, ABC):
             reasons.append("attention sinks not supported")
         if needs.chunked_attention and not caps.chunked_attention:
             reasons.append("chunked local attention not supported")
+        form = LATENT_KV if needs.latent_kv else SEPARATE_KV
+        if form not in caps.kv_forms:
+            reasons.append(f"{form} KV pools not supported (only {', '.join(sorted(caps.kv_forms))})")
         return reasons
 
     @classmethod
@@ -124,6 +139,7 @@ class AttentionBackend(StepBinder, ABC):
         layer: AttentionLayerSpec,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store `key`/`value` [tokens, kv_heads, dim] in `cache`; return attention [tokens, heads, dim].
+        """Store `key`/`value` [tokens, kv_heads, dim] in `cache`; return attention [tokens, heads,
+        value dim]. A latent layer's `value` is a view of the key's leading dims (not stored again).
         `sinks` [heads] (layers with `layer.sinks`, backends with `capabilities.sinks`): one
         more logit per query head in each softmax's denominator, with no value of its own."""

@@ -67,7 +67,7 @@ class PagedAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.store(cache, key, value, metadata.slot_mapping)
-        output = torch.empty_like(query)
+        output = query.new_empty((*query.shape[:-1], value.shape[-1]))
         # Only backends that declare sinks are selected for layers that have them.
         extra = {"sinks": sinks} if sinks is not None else {}
         if metadata.decode is not None:

@@ -5,10 +5,16 @@ from __future__ import annotations
 from kestrel.core.attention.base import AttentionBackend, BackendRequirements
 from kestrel.core.attention.torch_cpu import TorchCpuBackend
 from kestrel.core.attention.torch_ref import TorchReferenceBackend
+from kestrel.core.attention.triton_mla import TritonMlaBackend
 from kestrel.core.attention.triton_paged import TritonPagedBackend
 
 # In order of preference; faster, narrower backends go first.
-BACKENDS: tuple[type[AttentionBackend], ...] = (TritonPagedBackend, TorchCpuBackend, TorchReferenceBackend)
+BACKENDS: tuple[type[AttentionBackend], ...] = (
+    TritonPagedBackend,
+    TritonMlaBackend,
+    TorchCpuBackend,
+    TorchReferenceBackend,
+)
 
 
 class NoAttentionBackendError(ValueError):

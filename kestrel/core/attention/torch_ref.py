@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
+from kestrel.core.attention.base import LATENT_KV, SEPARATE_KV, AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.paged import PagedAttentionBackend
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
@@ -27,6 +27,7 @@ class TorchReferenceBackend(PagedAttentionBackend):
         kv_cache_dtypes=FLOAT8_KV_DTYPES,
         sinks=True,
         chunked_attention=True,
+        kv_forms=frozenset({SEPARATE_KV, LATENT_KV}),
     )
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -76,7 +77,8 @@ def store_kv_at(
     cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor
 ) -> None:
     """`store_kv` with each token's page and offset in it already split from its slot."""
-    for pool, new in ((cache.key, key), (cache.value, value)):
+    stored = ((cache.key, key),) if cache.values_in_keys else ((cache.key, key), (cache.value, value))
+    for pool, new in stored:
         _raw(pool)[:, pages, offsets] = _raw(new.transpose(0, 1).to(pool.dtype))
 
 
@@ -142,7 +144,7 @@ def _decode_attention(
     rows, group = query.shape[0], layer.num_heads // layer.num_kv_heads
     grouped = query.reshape(rows, layer.num_kv_heads, group, layer.head_dim)
     out = attention(grouped, keys, values, mask[:, None, None, :], layer.scale, grouped_sinks(sinks, layer))
-    return out.reshape(rows, layer.num_heads, layer.head_dim)
+    return out.reshape(rows, layer.num_heads, values.shape[-1])
 
 
 def prefill_attention(

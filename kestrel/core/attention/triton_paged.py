@@ -147,7 +147,7 @@ def decode_attention(
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
     if splits > 1:
-        partial_out, partial_lse = _split_partials(workspace, query, meta.num_seqs, layer, splits)
+        partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits)
     constants = dict(
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
@@ -209,18 +209,21 @@ def reserve_split_partials(workspace: Workspace, max_rows: int, layer: Attention
     workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
 
 
-def _split_partials(
-    workspace: Workspace | None, query: torch.Tensor, num_seqs: int, layer: AttentionLayerSpec, splits: int
+def split_partials(
+    workspace: Workspace | None,
+    query: torch.Tensor,
+    num_seqs: int,
+    layer: AttentionLayerSpec,
+    splits: int,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's output rows (`width` wide, by default the head's) and log-sum-exps."""
     shape = (num_seqs, layer.num_heads, splits)
+    width = width or layer.head_dim
     if workspace is None:
-        return (
-            query.new_empty((*shape, layer.head_dim), dtype=torch.float32),
-            query.new_empty(shape, dtype=torch.float32),
-        )
-    return (
-        workspace.get(_PARTIAL_OUT, (*shape, layer.head_dim), torch.float32),
-        workspace.get(_PARTIAL_LSE, shape, torch.float32),
+        return query.new_empty((*shape, width), dtype=torch.float32), query.new_empty(shape, dtype=torch.float32)
+    return workspace.get(_PARTIAL_OUT, (*shape, width), torch.float32), workspace.get(
+        _PARTIAL_LSE, shape, torch.float32
     )
 
 
