@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from kestrel.core.attention.base import AttentionLayerSpec, BackendRequirements
+from kestrel.core.attention.base import LATENT_KV, SEPARATE_KV, AttentionLayerSpec, BackendRequirements
 from kestrel.core.attention.registry import BACKENDS, NoAttentionBackendError, select_backend
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.graph import GraphPhase
@@ -74,6 +74,7 @@ def supported(values, allowed) -> list:
 BACKEND_CASES = [
     (backend, device, page_size, dim, heads, kv_heads, window)
     for backend in BACKENDS
+    if SEPARATE_KV in backend.capabilities.kv_forms
     for device in backend_devices(backend)
     for page_size in supported((4, 16, 64), backend.capabilities.page_sizes)
     for dim in supported((16, 64, 128), backend.capabilities.head_dims)
@@ -116,6 +117,51 @@ def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, p
     start = 0
     for index, (cached, new) in enumerate(shapes):
         expected = dense_reference(queries[index], *contexts[index], cached, layer.scale, window)
+        torch.testing.assert_close(out[start : start + new].cpu(), expected, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+LATENT_CASES = [
+    (backend, device, page_size, heads)
+    for backend in BACKENDS
+    if LATENT_KV in backend.capabilities.kv_forms
+    for device in backend_devices(backend)
+    for page_size in supported((4, 16), backend.capabilities.page_sizes)
+    for heads in (4, 20)  # one block of query heads, and two with the second partly padded
+]
+
+
+@pytest.mark.parametrize("backend_cls, device, page_size, heads", LATENT_CASES)
+def test_backend_matches_dense_reference_over_a_latent_pool(backend_cls, device, page_size, heads):
+    """Multi-head latent attention: one KV head of latent + rotary dims whose values are the
+    latents; the pool stores the keys alone, and every backend reads the values from them."""
+    torch.manual_seed(0)
+    latent, rope = 32, 16
+    dim = latent + rope
+    layer = AttentionLayerSpec(heads, 1, dim, dim**-0.5, latent_dim=latent)
+    spec = KVCacheSpec(1, 1, dim, torch.float32, page_size, latent_dim=latent)
+    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), torch.device(device))
+    backend = backend_cls(torch.device(device), page_size)
+    shapes = [(9, 1), (0, 1), (40, 1), (0, 7), (13, 6), (3, 70)]  # as the mixed batch above
+    contexts = {i: torch.randn(c + n, 1, dim) for i, (c, n) in enumerate(shapes)}
+    chunks = []
+    for index, (cached, new) in enumerate(shapes):
+        pages = tuple(kv.reserve(str(index), cached + new))
+        if cached:
+            prefix = BatchLayout((SequenceChunk(cached, 0, pages),), 0, page_size)
+            keys = contexts[index][:cached].to(device)
+            query = torch.randn(cached, heads, dim).to(device)
+            backend.forward(query, keys, keys[..., :latent], kv.layer(0), backend.bind(prefix), layer)
+        chunks.append(SequenceChunk(new, cached, pages))
+    metadata = backend.bind(BatchLayout(tuple(chunks), num_decodes=3, page_size=page_size))
+    queries = [torch.randn(n, heads, dim) for _, n in shapes]
+    new_keys = torch.cat([contexts[i][c:] for i, (c, _) in enumerate(shapes)]).to(device)
+    out = backend.forward(torch.cat(queries).to(device), new_keys, new_keys[..., :latent], kv.layer(0), metadata, layer)
+    assert out.shape == (new_keys.shape[0], heads, latent)
+    start = 0
+    for index, (cached, new) in enumerate(shapes):
+        keys = contexts[index]
+        expected = dense_reference(queries[index], keys, keys[..., :latent], cached, layer.scale, None)
         torch.testing.assert_close(out[start : start + new].cpu(), expected, atol=1e-5, rtol=1e-5)
         start += new
 

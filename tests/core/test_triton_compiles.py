@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kestrel.core.attention import triton_kernels as attention
+from kestrel.core.attention import triton_mla
 from kestrel.layers import fp8_matmul, fused, fused_moe, gated_delta_kernels, gemv
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -100,6 +101,12 @@ CASES = {
         DECODE
         | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, VALUES_BY_SLOT=False)
         | dict(WHOLE_BLOCKS=False, DEPENDENT=True),
+    ),
+    "mla_decode_split_bf16": (  # DeepSeek's 512-dim latent and 64 rotary dims
+        triton_mla.mla_decode_kernel,
+        ATTENTION | {"cache_ptr": "*bf16"},
+        dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
+        | dict(SPLIT=True, DEPENDENT=True),
     ),
     "combine_splits": (
         attention.combine_splits_kernel,

@@ -131,3 +131,33 @@ def test_split_partials_come_from_the_workspace_the_backend_allocated():
     torch.testing.assert_close(through_workspace, allocated)
     partials = workspace.get("attention.decode.partial_lse", (1,), torch.float32)
     assert partials.abs().sum() > 0  # the split wrote its partials there
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("dims", [(32, 16), (512, 64)])  # a small latent, and DeepSeek's
+def test_latent_decode_matches_dense_attention_for_any_split(num_splits, dims):
+    from kestrel.core.attention.triton_mla import TritonMlaBackend, mla_decode_attention
+
+    torch.manual_seed(0)
+    device = torch.device(DEVICES[0])
+    (latent, rope), heads, page_size = dims, 18, 16
+    dim = latent + rope
+    layer = AttentionLayerSpec(heads, 1, dim, 0.1, latent_dim=latent)
+    spec = KVCacheSpec(1, 1, dim, torch.float32, page_size, latent_dim=latent)
+    kv = PagedKVProvider(spec, 32 * spec.bytes_per_page(), device)
+    backend = TritonMlaBackend(device, page_size)
+    lengths = [130, 3, 47]
+    contexts = [torch.randn(n, 1, dim) for n in lengths]
+    chunks = []
+    for index, (length, keys) in enumerate(zip(lengths, contexts)):
+        pages = tuple(kv.reserve(str(index), length))
+        metadata = backend.bind(BatchLayout((SequenceChunk(length, 0, pages),), 0, page_size))
+        backend.store(kv.layer(0), keys.to(device), keys[..., :latent].to(device), metadata.slot_mapping)
+        chunks.append(SequenceChunk(1, length - 1, pages))
+    decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
+    query = torch.randn(len(lengths), heads, dim)
+    output = torch.empty(len(lengths), heads, latent, device=device)
+    mla_decode_attention(query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits)
+    for row, (length, keys) in enumerate(zip(lengths, contexts)):
+        expected = dense_reference(query[row : row + 1], keys, keys[..., :latent], length - 1, layer.scale, None)
+        torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
