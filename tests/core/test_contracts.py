@@ -44,8 +44,10 @@ def test_unknown_device_is_a_clear_error():
 # ---- attention backends --------------------------------------------------------------------
 
 
-def dense_reference(q, k_all, v_all, cached, scale, window):
-    """Plain causal attention of `q` (positions cached..) over the full context, GQA expanded."""
+def dense_reference(q, k_all, v_all, cached, scale, window, sinks=None, chunk=None):
+    """Plain causal attention of `q` (positions cached..) over the full context, GQA expanded;
+    `sinks` [heads]: one more logit per head in each softmax, with no value; `chunk`: each
+    query sees only the keys of its own chunk of positions."""
     heads, kv_heads = q.shape[1], k_all.shape[1]
     k_all = k_all.repeat_interleave(heads // kv_heads, dim=1)
     v_all = v_all.repeat_interleave(heads // kv_heads, dim=1)
@@ -55,8 +57,15 @@ def dense_reference(q, k_all, v_all, cached, scale, window):
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= k_pos > q_pos - window
+    if chunk is not None:
+        allowed &= k_pos >= q_pos // chunk * chunk
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v_all.double()).float()
+    if sinks is not None:
+        sink_column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+        weights = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
+    else:
+        weights = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v_all.double()).float()
 
 
 def backend_devices(backend) -> list[str]:
@@ -83,10 +92,34 @@ BACKEND_CASES = [
 ]
 
 
+# GPT-OSS's sinks (with and without a window) and Llama 4's chunks, where a backend has them.
+MASK_CASES = [
+    (backend, device, page_size, window, sinks, chunk)
+    for backend in BACKENDS
+    if SEPARATE_KV in backend.capabilities.kv_forms
+    for device in backend_devices(backend)
+    for page_size in supported((4, 16), backend.capabilities.page_sizes)
+    for window, sinks, chunk in ((None, True, None), (5, True, None), (None, False, 8), (None, True, 16))
+    if (not sinks or backend.capabilities.sinks) and (chunk is None or backend.capabilities.chunked_attention)
+]
+
+
+@pytest.mark.parametrize("backend_cls, device, page_size, window, sinks, chunk", MASK_CASES)
+def test_backend_with_sinks_or_chunks_matches_dense_reference(backend_cls, device, page_size, window, sinks, chunk):
+    layer = AttentionLayerSpec(8, 2, 64, 64**-0.5, window, sinks=sinks, chunk_size=chunk)
+    head_sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)) * 2 if sinks else None
+    run_mixed_batch(backend_cls, device, page_size, layer, head_sinks)
+
+
 @pytest.mark.parametrize("backend_cls, device, page_size, dim, heads, kv_heads, window", BACKEND_CASES)
 def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, page_size, dim, heads, kv_heads, window):
+    run_mixed_batch(backend_cls, device, page_size, AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window))
+
+
+def run_mixed_batch(backend_cls, device, page_size, layer, sinks=None):
     torch.manual_seed(0)
-    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
+    heads, kv_heads, dim, window = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.sliding_window
+    extra = {} if sinks is None else {"sinks": sinks.to(device)}
     spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
     kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), torch.device(device))
     backend = backend_cls(torch.device(device), page_size)
@@ -103,7 +136,7 @@ def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, p
             prefix = BatchLayout((SequenceChunk(cached, 0, pages),), 0, page_size)
             k, v = contexts[index][0][:cached], contexts[index][1][:cached]
             q = torch.randn(cached, heads, dim)
-            backend.forward(q.to(device), k.to(device), v.to(device), kv.layer(0), backend.bind(prefix), layer)
+            backend.forward(q.to(device), k.to(device), v.to(device), kv.layer(0), backend.bind(prefix), layer, **extra)
         chunks.append(SequenceChunk(new, cached, pages))
     layout = BatchLayout(tuple(chunks), num_decodes=3, page_size=page_size)
     metadata = backend.bind(layout)
@@ -112,11 +145,13 @@ def test_backend_matches_dense_reference_on_a_mixed_batch(backend_cls, device, p
     new_k = torch.cat([contexts[i][0][c:] for i, (c, _) in enumerate(shapes)])
     new_v = torch.cat([contexts[i][1][c:] for i, (c, _) in enumerate(shapes)])
     out = backend.forward(
-        torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv.layer(0), metadata, layer
+        torch.cat(queries).to(device), new_k.to(device), new_v.to(device), kv.layer(0), metadata, layer, **extra
     )
     start = 0
     for index, (cached, new) in enumerate(shapes):
-        expected = dense_reference(queries[index], *contexts[index], cached, layer.scale, window)
+        expected = dense_reference(
+            queries[index], *contexts[index], cached, layer.scale, window, sinks, layer.chunk_size
+        )
         torch.testing.assert_close(out[start : start + new].cpu(), expected, atol=1e-5, rtol=1e-5)
         start += new
 

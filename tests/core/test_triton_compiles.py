@@ -39,7 +39,7 @@ MOE_GROUPING = {"experts_ptr": "*i32", "cursors_ptr": "*i32", "row_ids_ptr": "*i
 MOE_GROUPING |= {"counts_ptr": "*i32"}
 RECURRENT_STEP = {"query_start_ptr": "*i32", "slots_ptr": "*i64", "read_slots_ptr": "*i64", "save_slots_ptr": "*i64"}
 RECURRENT_STEP |= {"has_state_ptr": "*i1"}
-DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32")
+DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32", HAS_SINKS=False)
 
 CASES = {
     "gemv": (
@@ -108,6 +108,13 @@ CASES = {
         dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
         | dict(SPLIT=True, DEPENDENT=True),
     ),
+    "decode_split_sinks_bf16": (
+        attention.decode_kernel,
+        ATTENTION | BF16_POOL | {"sinks_ptr": "*bf16"},
+        DECODE
+        | dict(GROUP=8, HEAD_DIM=64, BLOCK_D=64, HAS_SINKS=True, SPLIT=True, DOTS_IN_FP16=False)
+        | dict(VALUES_BY_SLOT=False, WHOLE_BLOCKS=False, DEPENDENT=True),
+    ),
     "combine_splits": (
         attention.combine_splits_kernel,
         ATTENTION,
@@ -117,7 +124,13 @@ CASES = {
         attention.prefill_kernel,
         ATTENTION | FLOAT8_POOL,
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, PAGE=16, BLOCK_N=64, PRECISION="tf32")
-        | dict(DOTS_IN_FP16=True, VALUES_BY_SLOT=True, DEPENDENT=True),
+        | dict(DOTS_IN_FP16=True, VALUES_BY_SLOT=True, HAS_SINKS=False, DEPENDENT=True),
+    ),
+    "prefill_sinks_bf16": (  # GPT-OSS: 64 query heads of 64 dims over 8 KV heads, a sink each
+        attention.prefill_kernel,
+        ATTENTION | BF16_POOL | {"sinks_ptr": "*bf16"},
+        dict(GROUP=8, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, PAGE=16, BLOCK_N=64, PRECISION="tf32")
+        | dict(DOTS_IN_FP16=False, VALUES_BY_SLOT=False, HAS_SINKS=True, DEPENDENT=True),
     ),
     "moe_matmul_decode": (
         fused_moe.grouped_matmul_kernel,

@@ -17,14 +17,25 @@ DEVICES = backend_devices(TritonPagedBackend)
 pytestmark = pytest.mark.skipif(not DEVICES, reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
-@pytest.mark.parametrize("window", [None, 50])
-@pytest.mark.parametrize("whole_blocks", [False, True])  # every block masked, or the whole ones not
-def test_split_decode_matches_dense_attention(num_splits, window, whole_blocks):
+# whole_blocks: every block masked, or the whole ones not; sinks: counted once, by the first split.
+SPLIT_CASES = [
+    (splits, window, None, whole, False) for splits in (1, 2, 5, 16) for window in (None, 50) for whole in (False, True)
+] + [
+    (1, None, None, False, True),
+    (5, None, None, True, True),
+    (16, 50, None, False, True),
+    (1, None, 64, False, False),
+]
+SPLIT_CASES += [(5, None, 64, True, True)]
+
+
+@pytest.mark.parametrize("num_splits, window, chunk, whole_blocks, with_sinks", SPLIT_CASES)
+def test_split_decode_matches_dense_attention(num_splits, window, chunk, whole_blocks, with_sinks):
     torch.manual_seed(0)
     device = torch.device(DEVICES[0])
     heads, kv_heads, dim, page_size = 8, 2, 64, 16
-    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window, sinks=with_sinks, chunk_size=chunk)
+    sinks = torch.randn(heads) * 3 if with_sinks else None
     spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
     kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
     backend = TritonPagedBackend(device, page_size)
@@ -41,10 +52,17 @@ def test_split_decode_matches_dense_attention(num_splits, window, whole_blocks):
     query = torch.randn(len(lengths), heads, dim)
     output = torch.empty_like(query).to(device)
     decode_attention(
-        query.to(device), kv.layer(0), decode, layer, output, num_splits=num_splits, WHOLE_BLOCKS=whole_blocks
+        query.to(device),
+        kv.layer(0),
+        decode,
+        layer,
+        output,
+        num_splits=num_splits,
+        WHOLE_BLOCKS=whole_blocks,
+        sinks=None if sinks is None else sinks.to(device),
     )
     for row, (length, (keys, values)) in enumerate(zip(lengths, contexts)):
-        expected = dense_reference(query[row : row + 1], keys, values, length - 1, layer.scale, window)
+        expected = dense_reference(query[row : row + 1], keys, values, length - 1, layer.scale, window, sinks, chunk)
         torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -145,6 +145,7 @@ def _attend_range(
     query_positions,
     end,
     window,
+    chunk,
     kv_head,
     scale,
     stride_cache_head,
@@ -161,8 +162,9 @@ def _attend_range(
     """Online-softmax updates of `acc` with the key blocks from `first` to `stop`, which
     may span several pages (looked up in the sequence's page-table row). Rows are queries
     at `query_positions`, seeing keys before `end`, causally, within `window` (0: no
-    window). Unless MASKED, every key of every block is visible to every row: no masks,
-    which cost as many instructions per block as the dots' own work."""
+    window) and within their own `chunk` of positions (0: no chunks). Unless MASKED, every
+    key of every block is visible to every row: no masks, which cost as many instructions
+    per block as the dots' own work."""
     dims = tl.arange(0, BLOCK_D)
     in_dim = (dims < HEAD_DIM)[None, :]
     for block_start in range(first, stop, BLOCK_N):
@@ -186,7 +188,9 @@ def _attend_range(
         if MASKED:
             causal = positions[None, :] <= query_positions[:, None]
             in_window = (window == 0) | (positions[None, :] > query_positions[:, None] - window)
-            scores = tl.where(causal & in_window & in_sequence[None, :], scores, float("-inf"))
+            chunk_start = query_positions // tl.maximum(chunk, 1) * chunk  # 0 without chunks
+            in_chunk = positions[None, :] >= chunk_start[:, None]
+            scores = tl.where(causal & in_window & in_chunk & in_sequence[None, :], scores, float("-inf"))
         weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
         acc = acc * rescale[:, None]
         acc += tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
@@ -211,8 +215,10 @@ def decode_kernel(
     stride_page_table,
     partial_out_ptr,
     partial_lse_ptr,
+    sinks_ptr,
     scale,
     window,
+    chunk,
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -225,8 +231,11 @@ def decode_kernel(
     DOTS_IN_FP16: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
+    """`sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
+    counted by the first split alone, so that combining the splits counts it once."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -246,9 +255,15 @@ def decode_kernel(
     acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
     row_max = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        row_max = tl.where(split == 0, sink, row_max)
+        row_sum = tl.where(split == 0, 1.0, row_sum)
     first_position = seq_len * 0  # same integer type as the loaded lengths
     if window > 0:
         first_position = tl.maximum(seq_len - window, 0)
+    if chunk > 0:  # the newest token's chunk
+        first_position = (seq_len - 1) // chunk * chunk
     table_row = page_table_ptr + seq * stride_page_table
     # This program's share of the key blocks: whole blocks, the later splits possibly empty.
     first_block = first_position // BLOCK_N * BLOCK_N
@@ -260,7 +275,7 @@ def decode_kernel(
     whole_end = begin
     if WHOLE_BLOCKS:
         whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N  # an empty split: none
-        whole_end = tl.where(window == 0, begin + whole_blocks * BLOCK_N, begin)
+        whole_end = tl.where((window == 0) & (chunk == 0), begin + whole_blocks * BLOCK_N, begin)
     query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
     for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
         acc, row_max, row_sum = _attend_range(
@@ -276,6 +291,7 @@ def decode_kernel(
             query_positions,
             end,
             window,
+            chunk,
             kv_head,
             scale,
             stride_cache_head,
@@ -358,8 +374,10 @@ def prefill_kernel(
     stride_cache_page,
     stride_cache_slot,
     stride_page_table,
+    sinks_ptr,
     scale,
     window,
+    chunk,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -369,6 +387,7 @@ def prefill_kernel(
     PRECISION: tl.constexpr,
     DOTS_IN_FP16: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     wait_for_inputs(DEPENDENT)
@@ -394,17 +413,22 @@ def prefill_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if HAS_SINKS:  # the head's sink logit: one more term of every row's softmax, with no value
+        row_max = tl.full((BLOCK_M,), 1.0, dtype=tl.float32) * (tl.load(sinks_ptr + head).to(tl.float32) * LOG2E)
+        row_sum = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     end = cached + tl.minimum((block + 1) * BLOCK_M, query_len)  # the block's last query position + 1
     first_position = cached * 0  # same integer type as the loaded lengths
     if window > 0:
         first_position = tl.maximum(cached + block * BLOCK_M - window + 1, 0)
+    if chunk > 0:  # the first row's chunk
+        first_position = (cached + block * BLOCK_M) // chunk * chunk
     kv_head = head // GROUP
     table_row = page_table_ptr + seq * stride_page_table
     first = first_position // BLOCK_N * BLOCK_N
     # Key blocks wholly at or before the first row's position are visible to every row
     # (without a window): no masks there.
     whole_end = (cached + block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-    if window > 0:
+    if (window > 0) | (chunk > 0):
         whole_end = first
     for masked in tl.static_range(2):  # the whole blocks, then the diagonal ones
         acc, row_max, row_sum = _attend_range(
@@ -420,6 +444,7 @@ def prefill_kernel(
             query_positions,
             end,
             window,
+            chunk,
             kv_head,
             scale,
             stride_cache_head,

@@ -44,6 +44,8 @@ class TritonPagedBackend(PagedAttentionBackend):
         cuda_graphs=True,
         page_sizes=frozenset({16, 32, 64, 128}),
         kv_cache_dtypes=FLOAT8_KV_DTYPES,
+        sinks=True,
+        chunked_attention=True,
     )
 
     _workspace: Workspace | None = None
@@ -65,8 +67,9 @@ class TritonPagedBackend(PagedAttentionBackend):
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        decode_attention(query, cache, meta, layer, output, workspace=self._workspace)
+        decode_attention(query, cache, meta, layer, output, workspace=self._workspace, sinks=sinks)
 
     def prefill(
         self,
@@ -77,8 +80,9 @@ class TritonPagedBackend(PagedAttentionBackend):
         meta: PrefillMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        prefill_attention(query, cache, meta, layer, output)
+        prefill_attention(query, cache, meta, layer, output, sinks=sinks)
 
 
 def _block_d(head_dim: int) -> int:
@@ -114,8 +118,9 @@ def store_kv(cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots:
     )
 
 
-def _window(layer: AttentionLayerSpec) -> int:
-    return layer.sliding_window or 0
+def _masks(layer: AttentionLayerSpec) -> tuple[int, int]:
+    """The kernels' window and chunk arguments (0: none)."""
+    return layer.sliding_window or 0, layer.chunk_size or 0
 
 
 def _precision(query: torch.Tensor) -> str:
@@ -136,6 +141,7 @@ def decode_attention(
     output: torch.Tensor,
     num_splits: int | None = None,
     workspace: Workspace | None = None,
+    sinks: torch.Tensor | None = None,
     **launch: int,
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
@@ -158,6 +164,7 @@ def decode_attention(
         SPLIT=splits > 1,
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
         VALUES_BY_SLOT=cache.values_by_slot,
+        HAS_SINKS=sinks is not None,
         **dependent_launch_args(query.device),
     )
     constants.update(decode_launch(cache, layer.head_dim, splits))
@@ -179,8 +186,9 @@ def decode_attention(
         meta.page_table.stride(0),
         partial_out,
         partial_lse,
+        query if sinks is None else sinks,  # any pointer where there are none
         layer.scale,
-        _window(layer),
+        *_masks(layer),
         splits,
         **constants,
     )
@@ -265,6 +273,7 @@ def prefill_attention(
     meta: PrefillMetadata,
     layer: AttentionLayerSpec,
     output: torch.Tensor,
+    sinks: torch.Tensor | None = None,
     **launch: int,
 ) -> None:
     """`launch` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the defaults, for sweeps."""
@@ -279,6 +288,7 @@ def prefill_attention(
         PRECISION=_precision(query),
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
         VALUES_BY_SLOT=cache.values_by_slot,
+        HAS_SINKS=sinks is not None,
     )
     constants.update(launch)
     blocks = triton.cdiv(meta.max_query_len, constants["BLOCK_M"])
@@ -298,8 +308,9 @@ def prefill_attention(
         cache.key.stride(1),
         cache.key.stride(2),
         meta.page_table.stride(0),
+        query if sinks is None else sinks,
         layer.scale,
-        _window(layer),
+        *_masks(layer),
         **constants,
         **dependent_launch_args(query.device),
     )
