@@ -12,9 +12,8 @@ from tests.checkpoints import FAMILIES, HYBRID_FAMILIES
 PROMPT_LENGTHS = (1, 7, 33, 120, 200)
 NEW_TOKENS = 32
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-# Where a family needs what the Triton paged backend lacks: sinks and chunked attention (the
-# torch backend), a latent pool (the MLA backend).
-CUDA_BACKENDS = {"gpt-oss": "torch", "llama4": "torch", "deepseek-v2": "triton_mla", "deepseek-v3": "triton_mla"}
+# Where a family needs what the Triton paged backend lacks: a latent pool (the MLA backend).
+CUDA_BACKENDS = {"deepseek-v2": "triton_mla", "deepseek-v3": "triton_mla"}
 
 
 def random_prompts(seed: int = 1) -> list[list[int]]:

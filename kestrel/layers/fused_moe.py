@@ -33,6 +33,38 @@ from kestrel.layers.gemv import row_dots
 # Per-row float32 scales of w13 and w2 where the experts are float8, else None.
 ExpertScales = tuple[torch.Tensor | None, torch.Tensor | None]
 
+SILU, CLAMPED_SWIGLU = 0, 1  # the experts' activations (kernel constants)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GPT-OSS's gate slope and clamp
+
+
+@dataclass(frozen=True)
+class ExpertForm:
+    """What a family's experts compute besides silu(gate) * up summed by routing weight:
+    GPT-OSS's clamped SwiGLU, (up + 1) * gate * sigmoid(1.702 * gate) with the gate clamped
+    above and up both ways at 7, and biases on both projections (w13's [experts, 2 * inter],
+    gate then up; w2's [experts, hidden]); Llama 4's routing weight scaling each expert's
+    input instead of its output (`weights_scale_input`)."""
+
+    activation: int = SILU
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    weights_scale_input: bool = False
+
+
+PLAIN = ExpertForm()
+
+
+@triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr):
+    """The activation of float32 gate and up products (ExpertForm)."""
+    if ACTIVATION == 1:  # CLAMPED_SWIGLU
+        gate = tl.minimum(gate, 7.0)
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0) + 1.0
+        out = gate * tl.sigmoid(gate * 1.702) * up
+    else:
+        out = gate * tl.sigmoid(gate) * up
+    return out
+
 
 @dataclass(frozen=True)
 class MoeLaunch:
@@ -150,6 +182,7 @@ def grouped_matmul_kernel(
     block_experts_ptr,
     weights_ptr,
     scales_ptr,
+    bias_ptr,
     num_rows,
     n,
     k,
@@ -158,10 +191,14 @@ def grouped_matmul_kernel(
     stride_b_n,
     stride_c,
     stride_scales,
+    stride_bias,
     A_ROW_DIVISOR: tl.constexpr,
     SCALE_BY_WEIGHT: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    WEIGHT_INPUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -171,9 +208,11 @@ def grouped_matmul_kernel(
     """C[row] = A[row // A_ROW_DIVISOR] @ B[expert]^T for the block's rows (B is [n, k] per
     expert, as a linear layer's weight), optionally times weights[row]. With SILU_AND_MUL, B
     holds 2n rows (gate, then up) and C[row] = silu(gate) * up, from float32 accumulators, so
-    the gate and up products never go to memory. With HAS_SCALE, B is float8 with a scale per
-    (expert, row): its tiles are widened to A's dtype in registers and each product column
-    multiplied by its row's scale."""
+    the gate and up products never go to memory (ACTIVATION: `_activate`'s). With HAS_SCALE,
+    B is float8 with a scale per (expert, row): its tiles are widened to A's dtype in registers
+    and each product column multiplied by its row's scale. HAS_BIAS adds bias[expert, column]
+    (the up columns' n further on) before the activation and any weight. WEIGHT_INPUT
+    multiplies the products by weights[row] as if A's row had been scaled (Llama 4)."""
     wait_for_inputs(DEPENDENT)
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -201,8 +240,18 @@ def grouped_matmul_kernel(
         acc *= tl.load(row_scales, mask=offs_n < n, other=0.0)[None, :]
         if SILU_AND_MUL:
             up *= tl.load(row_scales + n, mask=offs_n < n, other=0.0)[None, :]
+    if WEIGHT_INPUT:
+        row_weights = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+        acc *= row_weights
+        if SILU_AND_MUL:
+            up *= row_weights
+    if HAS_BIAS:
+        row_bias = bias_ptr + expert.to(tl.int64) * stride_bias + offs_n
+        acc += tl.load(row_bias, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
+        if SILU_AND_MUL:
+            up += tl.load(row_bias + n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
     if SILU_AND_MUL:
-        acc = acc * tl.sigmoid(acc) * up
+        acc = _activate(acc, up, ACTIVATION)
     if SCALE_BY_WEIGHT:
         acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(
@@ -364,10 +413,15 @@ def _grouped_matmul(
     routing_weights: torch.Tensor | None = None,
     silu_and_mul: bool = False,
     scales: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: int = SILU,
+    weight_input: bool = False,
 ) -> torch.Tensor:
     """One launch over every block (`row_ids`: each block's rows, padded with num_rows).
-    `silu_and_mul`: the weight's rows are gate then up, and the output is silu(gate) * up.
-    `scales` [experts, rows]: the weight is float8, each row times its scale."""
+    `silu_and_mul`: the weight's rows are gate then up, and the output is their activation.
+    `scales` [experts, rows]: the weight is float8, each row times its scale. `bias`
+    [experts, rows]: added to the products. `routing_weights` [rows] scale the output, or
+    with `weight_input` the products before bias and activation."""
     n, k = weight.shape[1] // (2 if silu_and_mul else 1), weight.shape[2]
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
     grid = (block_experts.numel(), triton.cdiv(n, launch.block_n))
@@ -379,6 +433,7 @@ def _grouped_matmul(
         block_experts,
         routing_weights if routing_weights is not None else out,
         scales if scales is not None else out,
+        bias if bias is not None else out,
         num_rows,
         n,
         k,
@@ -387,9 +442,13 @@ def _grouped_matmul(
         weight.stride(1),
         out.stride(0),
         0 if scales is None else scales.stride(0),
+        0 if bias is None else bias.stride(0),
         A_ROW_DIVISOR=a_row_divisor,
         HAS_SCALE=scales is not None,
-        SCALE_BY_WEIGHT=routing_weights is not None,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=activation,
+        WEIGHT_INPUT=routing_weights is not None and weight_input,
+        SCALE_BY_WEIGHT=routing_weights is not None and not weight_input,
         SILU_AND_MUL=silu_and_mul,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
@@ -408,6 +467,8 @@ def _expert_gate_up_kernel(
     x_ptr,
     w13_ptr,
     scales_ptr,
+    bias_ptr,
+    weights_ptr,
     experts_ptr,
     out_ptr,
     inter,
@@ -416,15 +477,20 @@ def _expert_gate_up_kernel(
     stride_w_expert,
     stride_w_n,
     stride_scales,
+    stride_bias,
     WIDTH: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    WEIGHT_INPUT: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[row, n] = silu(gate[n]) * up[n] of routed row `row` (token row // WIDTH) through
-    its expert's gate rows w13[e, :inter] and up rows w13[e, inter:], float32 throughout;
-    with HAS_SCALE, float8 rows, each dot times its row's scale."""
+    """out[row, n] = the activation of gate[n] and up[n] of routed row `row` (token row //
+    WIDTH) through its expert's gate rows w13[e, :inter] and up rows w13[e, inter:], float32
+    throughout; with HAS_SCALE, float8 rows, each dot times its row's scale; HAS_BIAS and
+    WEIGHT_INPUT as `grouped_matmul_kernel`'s."""
     row = tl.program_id(0)
     wait_for_inputs(DEPENDENT)  # the expert comes from the routing kernel: nothing to prefetch
     expert = tl.load(experts_ptr + row).to(tl.int64)
@@ -437,7 +503,16 @@ def _expert_gate_up_kernel(
         row_scales = scales_ptr + expert * stride_scales + cols
         gate *= tl.load(row_scales, mask=in_cols, other=0.0)
         up *= tl.load(row_scales + inter, mask=in_cols, other=0.0)
-    tl.store(out_ptr + row * inter + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=in_cols)
+    if WEIGHT_INPUT:
+        weight = tl.load(weights_ptr + row).to(tl.float32)
+        gate *= weight
+        up *= weight
+    if HAS_BIAS:
+        row_bias = bias_ptr + expert * stride_bias + cols
+        gate += tl.load(row_bias, mask=in_cols, other=0.0).to(tl.float32)
+        up += tl.load(row_bias + inter, mask=in_cols, other=0.0).to(tl.float32)
+    activated = _activate(gate, up, ACTIVATION)
+    tl.store(out_ptr + row * inter + cols, activated.to(out_ptr.dtype.element_ty), mask=in_cols)
 
 
 @triton.jit
@@ -445,6 +520,7 @@ def _expert_down_sum_kernel(
     activated_ptr,
     w2_ptr,
     scales_ptr,
+    bias_ptr,
     experts_ptr,
     weights_ptr,
     out_ptr,
@@ -454,14 +530,18 @@ def _expert_down_sum_kernel(
     stride_w_n,
     stride_out,
     stride_scales,
+    stride_bias,
     WIDTH: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[token, n] = sum over the token's WIDTH routed rows of weight * (w2[e, n] .
-    activated[row]), summed in float32 and rounded once."""
+    activated[row] + bias[e, n]), summed in float32 and rounded once; unWEIGHTED (the weights
+    scaled the input), a plain sum."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < hidden
@@ -476,7 +556,11 @@ def _expert_down_sum_kernel(
         )
         if HAS_SCALE:
             dots *= tl.load(scales_ptr + expert * stride_scales + cols, mask=in_cols, other=0.0)
-        total += tl.load(weights_ptr + row).to(tl.float32) * dots
+        if HAS_BIAS:
+            dots += tl.load(bias_ptr + expert * stride_bias + cols, mask=in_cols, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            dots *= tl.load(weights_ptr + row).to(tl.float32)
+        total += dots
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=in_cols)
 
 
@@ -503,11 +587,13 @@ def expert_matvecs(
     experts: torch.Tensor,
     launches: tuple[MatvecLaunch, MatvecLaunch] | None = None,
     scales: ExpertScales = (None, None),
+    form: ExpertForm = PLAIN,
 ) -> torch.Tensor:
     """`fused_moe` for rows that share no expert: one matrix-vector product per routed row,
-    in two launches (gate/up with silu, then down summed over each token's experts)."""
+    in two launches (gate/up with its activation, then down summed over each token's experts)."""
     tokens, width = experts.shape
     s13, s2 = scales
+    b13, b2 = form.w13_bias, form.w2_bias
     inter, hidden_size = w2.shape[2], w2.shape[1]
     gate_up, down = launches or (matvec_launch(inter, hidden_size), matvec_launch(hidden_size, inter))
     activated = torch.empty((tokens * width, inter), dtype=hidden.dtype, device=hidden.device)
@@ -517,6 +603,8 @@ def expert_matvecs(
         hidden,
         w13,
         w13 if s13 is None else s13,
+        w13 if b13 is None else b13,
+        weights,
         experts,
         activated,
         inter,
@@ -525,8 +613,12 @@ def expert_matvecs(
         w13.stride(0),
         w13.stride(1),
         0 if s13 is None else s13.stride(0),
+        0 if b13 is None else b13.stride(0),
         WIDTH=width,
         HAS_SCALE=s13 is not None,
+        HAS_BIAS=b13 is not None,
+        ACTIVATION=form.activation,
+        WEIGHT_INPUT=form.weights_scale_input,
         BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k,
         num_warps=gate_up.num_warps,
@@ -536,6 +628,7 @@ def expert_matvecs(
         activated,
         w2,
         w2 if s2 is None else s2,
+        w2 if b2 is None else b2,
         experts,
         weights,
         out,
@@ -545,8 +638,11 @@ def expert_matvecs(
         w2.stride(1),
         out.stride(0),
         0 if s2 is None else s2.stride(0),
+        0 if b2 is None else b2.stride(0),
         WIDTH=width,
         HAS_SCALE=s2 is not None,
+        HAS_BIAS=b2 is not None,
+        WEIGHTED=not form.weights_scale_input,
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,
         num_warps=down.num_warps,
@@ -569,21 +665,47 @@ def fused_moe(
     experts: torch.Tensor,
     launch: MoeLaunch | None = None,
     scales: ExpertScales = (None, None),
+    form: ExpertForm = PLAIN,
 ) -> torch.Tensor:
     """hidden [tokens, h]; w13 [experts, 2 * inter, h] (gate then up); w2 [experts, h, inter];
     weights, experts [tokens, top_k]. Returns sum over choices of weight * expert(hidden).
-    `scales`: w13's and w2's per-row scales where they are float8 (else None)."""
+    `scales`: w13's and w2's per-row scales where they are float8 (else None); `form`: what
+    the family's experts compute otherwise (biases, activation, weighted inputs)."""
     tokens, top_k = experts.shape
     num_rows = tokens * top_k
     num_experts = w13.shape[0]
     launch = launch or moe_launch(num_rows, num_experts)
+    flat_weights = weights.flatten().contiguous()
     if expected_repeats(num_rows, num_experts) < 1:
-        return expert_matvecs(hidden, w13, w2, weights.contiguous(), experts.contiguous(), scales=scales)
+        return expert_matvecs(hidden, w13, w2, flat_weights, experts.contiguous(), scales=scales, form=form)
     s13, s2 = scales
     row_ids, block_experts = group_by_expert(experts, num_experts, launch.block_m)
+    scale_input = form.weights_scale_input
     activated = _grouped_matmul(
-        hidden, w13, row_ids, block_experts, num_rows, top_k, launch, silu_and_mul=True, scales=s13
+        hidden,
+        w13,
+        row_ids,
+        block_experts,
+        num_rows,
+        top_k,
+        launch,
+        flat_weights if scale_input else None,
+        silu_and_mul=True,
+        scales=s13,
+        bias=form.w13_bias,
+        activation=form.activation,
+        weight_input=True,
     )
-    flat_weights = weights.flatten().contiguous()
-    down = _grouped_matmul(activated, w2, row_ids, block_experts, num_rows, 1, launch, flat_weights, scales=s2)
+    down = _grouped_matmul(
+        activated,
+        w2,
+        row_ids,
+        block_experts,
+        num_rows,
+        1,
+        launch,
+        None if scale_input else flat_weights,
+        scales=s2,
+        bias=form.w2_bias,
+    )
     return down.view(tokens, top_k, -1).sum(dim=1)

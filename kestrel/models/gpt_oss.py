@@ -6,9 +6,8 @@ The checkpoint keeps each layer's experts in one tensor per projection, transpos
 linear layer's weight, with gate and up interleaved column by column (`gate_up_proj`
 [experts, hidden, 2 * inter]); `GptOssExperts` turns that into gate rows then up rows once, at
 load. Expert weights stored as MXFP4 (the published checkpoints) arrive dequantized
-(weights/mxfp4.py). The experts run in torch on every device (the fused MoE kernels have no
-biases or clamped activation yet), and the layers need a backend with attention sinks (the
-torch backends; the Triton one does not have them yet).
+(weights/mxfp4.py). On CUDA the experts run in the fused MoE (`ExpertForm`: biases and the
+clamped SwiGLU), elsewhere in torch; the attention backends all take sinks.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import WeightBindings, copy_whole
 from kestrel.layers import ops
+from kestrel.layers.fused_moe import CLAMPED_SWIGLU, SWIGLU_ALPHA, SWIGLU_LIMIT, ExpertForm
 from kestrel.layers.linear import Linear, RowParallelLinear, copy_into
 from kestrel.layers.moe import RoutedExperts, tokens_by_expert
 from kestrel.models.dense import (
@@ -34,9 +34,6 @@ from kestrel.models.dense import (
     read_rope,
 )
 from kestrel.models.spec import FULL_ATTENTION, SLIDING_ATTENTION, DecoderSpec, MoeSpec
-
-SWIGLU_ALPHA = 1.702  # the gate's sigmoid slope, as transformers' GptOssExperts has it
-SWIGLU_LIMIT = 7.0  # gate clamped above, up clamped both ways, at this
 
 
 class GptOssAttention(DecoderAttention):
@@ -114,9 +111,21 @@ class GptOssMoe(nn.Module):
         logits = self.router(hidden)
         top, experts = logits.topk(self.top_k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=top.dtype)
+        if hidden.is_cuda:  # the fused MoE, with the down bias in its sum over the ranks' first
+            return self._fused(hidden, weights, experts)
         out = self.parallel.all_reduce(self._experts(hidden, weights, experts))
         bias = self.experts.down_proj_bias[experts]  # [tokens, k, hidden]
         return out + (weights[..., None] * bias).sum(dim=1).to(out.dtype)
+
+    def _fused(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        from kestrel.layers.fused_moe import fused_moe
+
+        params = self.experts
+        # The down bias is added once: by rank 0 alone, before the ranks' partial sums meet.
+        down_bias = params.down_proj_bias if self.parallel.rank == 0 else None
+        form = ExpertForm(CLAMPED_SWIGLU, params.gate_up_proj_bias, down_bias)
+        out = fused_moe(hidden, params.gate_up_proj, params.down_proj, weights, experts, form=form)
+        return self.parallel.all_reduce(out)
 
     def routed_experts(self) -> RoutedExperts:
         params = self.experts

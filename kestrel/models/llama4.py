@@ -7,7 +7,8 @@ experts' input (a sigmoid of the top logits), beside a shared expert.
 Llama 4 rotates adjacent pairs of each head's dimensions (complex-number rope); its q and k
 rows are permuted once at load so that the usual half-split rotary computes the same scores
 (a permutation of every head's dimensions, the same in q and k, leaves q . k and the L2 norm
-unchanged). The layers need a backend with chunked local attention (the torch backends).
+unchanged). On CUDA the routed experts run in the fused MoE, their routing weights scaling
+the experts' input (`ExpertForm.weights_scale_input`).
 """
 
 from __future__ import annotations
@@ -159,8 +160,14 @@ class Llama4Moe(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         top, experts = self.router(hidden).topk(self.top_k, dim=-1)
         scores = torch.sigmoid(top.float()).to(hidden.dtype)
-        routed = self.parallel.all_reduce(self._experts(hidden, scores, experts))
-        return self.shared_expert(hidden) + routed
+        if hidden.is_cuda:
+            from kestrel.layers.fused_moe import ExpertForm, fused_moe
+
+            params, form = self.experts, ExpertForm(weights_scale_input=True)
+            routed = fused_moe(hidden, params.gate_up_proj, params.down_proj, scores, experts, form=form)
+        else:
+            routed = self._experts(hidden, scores, experts)
+        return self.shared_expert(hidden) + self.parallel.all_reduce(routed)
 
     def routed_experts(self) -> RoutedExperts:
         params = self.experts

@@ -136,19 +136,25 @@ CASES = {
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
-        | dict(HAS_SCALE=False, DEPENDENT=True),
+        | dict(HAS_SCALE=False, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True),
     ),
     "moe_matmul_tall": (
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL,
         dict(A_ROW_DIVISOR=1, SCALE_BY_WEIGHT=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32")
-        | dict(HAS_SCALE=False, DEPENDENT=True),
+        | dict(HAS_SCALE=False, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True),
     ),
     "moe_matmul_float8_experts": (  # gate and up with silu, float8 rows widened in registers
         fused_moe.grouped_matmul_kernel,
         MOE_MATMUL | {"b_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
         dict(A_ROW_DIVISOR=8, SCALE_BY_WEIGHT=False, SILU_AND_MUL=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128)
-        | dict(PRECISION="tf32", HAS_SCALE=True, DEPENDENT=True),
+        | dict(PRECISION="tf32", HAS_SCALE=True, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True),
+    ),
+    "moe_matmul_gpt_oss": (  # biases and the clamped SwiGLU
+        fused_moe.grouped_matmul_kernel,
+        MOE_MATMUL | {"bias_ptr": "*bf16"},
+        dict(A_ROW_DIVISOR=4, SCALE_BY_WEIGHT=False, SILU_AND_MUL=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)
+        | dict(PRECISION="tf32", HAS_SCALE=False, HAS_BIAS=True, ACTIVATION=1, WEIGHT_INPUT=False, DEPENDENT=True),
     ),
     "moe_route_with_shared": (  # Qwen3-Next: top 10 of 512, the shared expert after them
         fused_moe.route_kernel,
@@ -158,12 +164,20 @@ CASES = {
     "moe_expert_gate_up": (  # a decode token's routed rows, one matvec each
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
-        dict(WIDTH=8, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+        dict(WIDTH=8, HAS_SCALE=False, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True)
+        | dict(BLOCK_N=2, BLOCK_K=2048),
+    ),
+    "moe_expert_gate_up_gpt_oss": (
+        fused_moe._expert_gate_up_kernel,
+        {"x_ptr": "*bf16", "w13_ptr": "*bf16", "bias_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
+        dict(WIDTH=4, HAS_SCALE=False, HAS_BIAS=True, ACTIVATION=1, WEIGHT_INPUT=False, DEPENDENT=True)
+        | dict(BLOCK_N=2, BLOCK_K=4096),
     ),
     "moe_expert_gate_up_float8": (
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32", "out_ptr": "*bf16"},
-        dict(WIDTH=8, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+        dict(WIDTH=8, HAS_SCALE=True, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True)
+        | dict(BLOCK_N=2, BLOCK_K=2048),
     ),
     "moe_expert_down_sum": (
         fused_moe._expert_down_sum_kernel,
@@ -174,13 +188,13 @@ CASES = {
             "weights_ptr": "*bf16",
             "out_ptr": "*bf16",
         },
-        dict(WIDTH=11, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=512),
+        dict(WIDTH=11, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=512),
     ),
     "moe_expert_down_sum_float8": (
         fused_moe._expert_down_sum_kernel,
         {"activated_ptr": "*bf16", "w2_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32"}
-        | {"weights_ptr": "*bf16", "out_ptr": "*bf16"},
-        dict(WIDTH=8, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
+        | {"weights_ptr": "*bf16", "out_ptr": "*bf16", "bias_ptr": "*bf16"},
+        dict(WIDTH=8, HAS_SCALE=True, HAS_BIAS=True, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
     ),
     "head_norm_partial_rotary": (  # Qwen3-Next: 64 of 256 columns rotated, a float32 folded weight
         fused._head_norm_rotary_kernel,

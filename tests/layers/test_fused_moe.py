@@ -174,3 +174,60 @@ def test_float8_experts_match_the_dequantized_torch_path(tokens):
     w13, w2 = moe.experts.w13, moe.experts.w2
     got = fused_moe(hidden, w13.weight, w2.weight, weights, experts, scales=(w13.scales, w2.scales))
     torch.testing.assert_close(got, expected, atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
+
+
+def reference_experts(hidden, w13, w2, weights, experts, activation, b13=None, b2=None, scale_input=False):
+    """Each token's sum over its chosen experts, one at a time, in float64."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for token in range(hidden.shape[0]):
+        for weight, expert in zip(weights[token].tolist(), experts[token].tolist()):
+            x = hidden[token].double() * (weight if scale_input else 1.0)
+            gate_up = w13[expert].double() @ x + (0 if b13 is None else b13[expert].double())
+            down = w2[expert].double() @ activation(gate_up) + (0 if b2 is None else b2[expert].double())
+            out[token] += down * (1.0 if scale_input else weight)
+    return out.float()
+
+
+@pytest.mark.parametrize("tokens", [1, 37])  # one-row matvecs, and grouped matmuls
+def test_gpt_oss_experts_biases_and_clamped_swiglu_match_the_reference(tokens):
+    from kestrel.layers.fused_moe import CLAMPED_SWIGLU, ExpertForm
+    from kestrel.models.gpt_oss import swiglu
+
+    torch.manual_seed(0)
+    hidden_size, inter, num_experts, top_k = 48, 40, 8, 4
+    # Large enough that the clamps at 7 act on some products.
+    w13, b13 = torch.randn(num_experts, 2 * inter, hidden_size), torch.randn(num_experts, 2 * inter) * 3
+    w2, b2 = torch.randn(num_experts, hidden_size, inter) * 0.2, torch.randn(num_experts, hidden_size)
+    hidden = torch.randn(tokens, hidden_size)
+    logits = torch.randn(tokens, num_experts)
+    top, experts = logits.topk(top_k, dim=-1)
+    weights = top.softmax(dim=-1)
+    expected = reference_experts(hidden, w13, w2, weights, experts, swiglu, b13, b2)
+    assert (hidden @ w13[0].T + b13[0]).abs().max() > 7
+    form = ExpertForm(CLAMPED_SWIGLU, b13.to(DEVICE), b2.to(DEVICE))
+    args = (w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), experts.to(DEVICE))
+    got = fused_moe(hidden.to(DEVICE), *args, form=form)
+    tolerance = dict(atol=2e-3 if DEVICE == "cuda" else 1e-4, rtol=1e-3)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_llama4_routing_weights_scale_the_experts_input(tokens):
+    from kestrel.layers.fused_moe import ExpertForm
+
+    torch.manual_seed(1)
+    hidden_size, inter, num_experts = 48, 40, 4
+    w13, w2 = torch.randn(num_experts, 2 * inter, hidden_size) * 0.3, torch.randn(num_experts, hidden_size, inter) * 0.3
+    hidden = torch.randn(tokens, hidden_size)
+    top, experts = torch.randn(tokens, num_experts).topk(1, dim=-1)
+    scores = torch.sigmoid(top)
+
+    def silu_and_mul(gate_up):
+        gate, up = gate_up.chunk(2)
+        return torch.nn.functional.silu(gate) * up
+
+    expected = reference_experts(hidden, w13, w2, scores, experts, silu_and_mul, scale_input=True)
+    args = (w13.to(DEVICE), w2.to(DEVICE), scores.to(DEVICE), experts.to(DEVICE))
+    got = fused_moe(hidden.to(DEVICE), *args, form=ExpertForm(weights_scale_input=True))
+    tolerance = dict(atol=2e-3 if DEVICE == "cuda" else 1e-4, rtol=1e-3)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance)
