@@ -137,6 +137,12 @@ class DeepseekMoe(SparseMoe):
         self.shared_experts = DecoderMLP(spec, parallel, moe.intermediate_size * spec.shared_experts)
 
     def route(self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None):
+        routing = self.routing
+        if hidden.is_cuda and routing.scoring == SOFTMAX and routing.num_groups == 1:
+            # V2's greedy top-k of a softmax: the fused routing kernel, on the router's logits
+            # in the model's dtype (where float32 logits took four launches more).
+            weights, experts = self.pick(self.gate(hidden), hidden.dtype)
+            return (weights if routing.scaling_factor == 1 else weights * routing.scaling_factor), experts
         # Scores in float32, as transformers computes them: a near tie picks the same expert.
         logits = torch.nn.functional.linear(hidden.float(), self.gate.weight.float())
         weights, experts = route(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.routing)

@@ -310,6 +310,7 @@ def test_a_float8_pool_needs_a_backend_that_reads_it():
 STEP_CASES = [
     (backend, device, page_size, window)
     for backend in BACKENDS
+    if SEPARATE_KV in backend.capabilities.kv_forms
     for device in backend_devices(backend)
     for page_size in supported((4, 16), backend.capabilities.page_sizes)
     for window in (None, 5)

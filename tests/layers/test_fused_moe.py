@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from kestrel.core.parallel import SINGLE
 from kestrel.layers.fused_moe import (
     MatvecLaunch,
     MoeLaunch,
@@ -231,3 +232,26 @@ def test_llama4_routing_weights_scale_the_experts_input(tokens):
     got = fused_moe(hidden.to(DEVICE), *args, form=ExpertForm(weights_scale_input=True))
     tolerance = dict(atol=2e-3 if DEVICE == "cuda" else 1e-4, rtol=1e-3)
     torch.testing.assert_close(got.cpu(), expected, **tolerance)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fused routing kernel runs on CUDA tensors")
+def test_deepseek_v2_greedy_routing_on_cuda_matches_the_torch_path():
+    from transformers import DeepseekV2Config
+
+    from kestrel.models.deepseek import DeepseekMoe, DeepseekV2Recipe, route
+
+    config = DeepseekV2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=6,
+        moe_intermediate_size=32, n_shared_experts=2, routed_scaling_factor=1.5, topk_method="greedy",
+    )  # fmt: skip
+    spec = DeepseekV2Recipe().spec(config)
+    moe = DeepseekMoe(spec, SINGLE).cuda()
+    torch.manual_seed(0)
+    moe.gate.weight.data.normal_(0, 0.5)
+    hidden = torch.randn(9, 64, device="cuda")
+    weights, experts = moe.route(hidden)
+    logits = hidden.float() @ moe.gate.weight.float().T
+    expected_weights, expected_experts = route(logits, None, 6, False, spec.routing)
+    order, expected_order = experts.argsort(dim=-1), expected_experts.argsort(dim=-1)
+    assert torch.equal(experts.long().gather(1, order), expected_experts.gather(1, expected_order))
+    torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
