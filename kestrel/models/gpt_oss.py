@@ -109,10 +109,14 @@ class GptOssMoe(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.router(hidden)
+        if hidden.is_cuda:
+            # A softmax over the top k logits is the full softmax renormalised over them: the
+            # fused routing kernel's (one launch, where top-k and softmax took three).
+            from kestrel.layers.fused_moe import route
+
+            return self._fused(hidden, *route(logits, self.top_k, True, hidden.dtype))
         top, experts = logits.topk(self.top_k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=top.dtype)
-        if hidden.is_cuda:  # the fused MoE, with the down bias in its sum over the ranks' first
-            return self._fused(hidden, weights, experts)
         out = self.parallel.all_reduce(self._experts(hidden, weights, experts))
         bias = self.experts.down_proj_bias[experts]  # [tokens, k, hidden]
         return out + (weights[..., None] * bias).sum(dim=1).to(out.dtype)

@@ -255,3 +255,15 @@ def test_deepseek_v2_greedy_routing_on_cuda_matches_the_torch_path():
     order, expected_order = experts.argsort(dim=-1), expected_experts.argsort(dim=-1)
     assert torch.equal(experts.long().gather(1, order), expected_experts.gather(1, expected_order))
     torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
+
+
+def test_gpt_oss_routing_is_the_fused_kernels_renormalised_softmax():
+    """GPT-OSS takes a softmax over its top k logits; the routing kernel's softmax over all of
+    them, renormalised over the k chosen, is the same weights (what its CUDA path runs)."""
+    torch.manual_seed(3)
+    logits = torch.randn(23, 32) * 3
+    top, expected_experts = logits.topk(4, dim=-1)
+    expected = top.softmax(dim=-1)
+    weights, experts = route(logits.to(DEVICE), 4, True, torch.float32)
+    assert experts.cpu().long().tolist() == expected_experts.tolist()
+    torch.testing.assert_close(weights.cpu(), expected, atol=1e-6, rtol=0)
