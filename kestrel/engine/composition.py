@@ -31,7 +31,7 @@ from kestrel.core.warm_up import warm_up
 from kestrel.core.workspace import Workspace
 from kestrel.distributed.executor import LocalExecutor, MultiprocessExecutor, TensorParallelExecutor, start_workers
 from kestrel.distributed.group import GroupAddress, join_group, rank_args
-from kestrel.layers.quantized import INT4, quantize_linears
+from kestrel.layers.quantized import quantize_linears
 from kestrel.logs import log_duration
 from kestrel.models.dummy_configs import DUMMY_CONFIGS, dummy_hf_config
 from kestrel.models.registry import mtp_recipe_for, recipe_for
@@ -123,8 +123,6 @@ def resolve_quantization(name: str | None, checkpoint: Checkpoint | None, runtim
                 f"{repr(stored) + ' weights' if stored else 'unquantized weights'}"
             )
         return None
-    if name == INT4 and runtime.name != "cpu":
-        raise ValueError(f"quantization={name!r} runs on the CPU only (torch's 4-bit CPU kernel); use device='cpu'")
     return name
 
 

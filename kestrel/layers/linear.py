@@ -11,7 +11,14 @@ from torch import nn
 from kestrel.core.parallel import TensorParallel
 from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.layers import ops
-from kestrel.layers.quantized import INT4, PackedWeight, quantize_fp8, quantize_int4, register_packed
+from kestrel.layers.quantized import (
+    INT4,
+    PackedWeight,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int4_cuda,
+    register_packed,
+)
 
 
 class Linear(nn.Module):
@@ -33,7 +40,10 @@ class Linear(nn.Module):
         """Pack the loaded weight ("int4" or "fp8"); every op that takes `self.weight`
         dispatches on it. The packed tensors stay registered as parameters, so what counts
         weight bytes sees them."""
-        packed = quantize_int4(self.weight) if method == INT4 else quantize_fp8(self.weight)
+        if method == INT4:
+            packed = quantize_int4_cuda(self.weight) if self.weight.is_cuda else quantize_int4(self.weight)
+        else:
+            packed = quantize_fp8(self.weight)
         del self.weight
         register_packed(self, "weight", packed)
         self.weight = packed

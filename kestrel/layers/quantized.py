@@ -1,8 +1,10 @@
 """Quantized linears, applied after loading (`--quantization`): `int4` and `fp8`.
 
-`int4` (the CPU): weight-only, the decoder's projections kept as 4-bit integers
-in groups of 32 along the input dim, each group with its own scale and zero
-(w = (q - 8) * scale + zero), as torch's `_weight_int4pack_mm_for_cpu` reads them.
+`int4`: weight-only, the decoder's projections kept as 4-bit integers in groups along the
+input dim, each group with its own scale and zero (w = (q - 8) * scale + zero). On the CPU,
+groups of 32 as torch's `_weight_int4pack_mm_for_cpu` reads them; on CUDA, groups of 128 (as
+AWQ and GPTQ checkpoints use) read by Triton kernels that widen the codes in registers
+(layers/int4_matmul.py).
 
 The LM head stays as loaded: an 8-bit copy with a scale per row (`_weight_int8pack_mm`) read a
 quarter of the bytes, but moved the demo model's logprobs 0.03 nats on average and changed its
@@ -76,6 +78,67 @@ class Int4Weight:
         return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros} | wide
 
 
+CUDA_GROUP_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Int4CudaWeight:
+    """A [out_features, in_features] weight as 4-bit codes for the CUDA kernels: codes [out,
+    in / 8] int32 (nibble i of word j: input column 8j + i), scales and zeros [out, in / group]
+    in the model's dtype."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int = CUDA_GROUP_SIZE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1] * 8)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from kestrel.layers.int4_matmul import int4_linear_cuda
+
+        return int4_linear_cuda(x, self.codes, self.scales, self.zeros, self.group_size, bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+
+
+def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit codes [out, groups, group] per group of `group_size` input
+    columns, each group's minimum and maximum spanning 0..15 (the GGUF Q4_1 recipe), with its
+    scale and zero [out, groups] rounded to bfloat16 first and each code chosen against them."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).to(COMPUTE_DTYPE).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0
+    zero = (low + _ZERO_POINT * scale).to(COMPUTE_DTYPE).float()
+    codes = ((groups - zero[..., None]) / scale[..., None] + _ZERO_POINT).round().clamp(0, 15)
+    return codes, scale, zero
+
+
+def quantize_int4_cuda(weight: torch.Tensor, group_size: int = CUDA_GROUP_SIZE) -> Int4CudaWeight:
+    """`Int4CudaWeight` of a float weight (on any device: the kernels' tests run it on the CPU)."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"int4 weights on CUDA need in_features divisible by {group_size}, got {in_features}")
+    codes, scale, zero = int4_groups(weight, group_size)
+    nibbles = codes.reshape(out_features, in_features // 8, 8).to(torch.int64)
+    words = (nibbles << (4 * torch.arange(8, device=weight.device))).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+    return Int4CudaWeight(words.contiguous(), scale.to(weight.dtype), zero.to(weight.dtype), group_size)
+
+
+def dequantize_int4_cuda(weight: Int4CudaWeight) -> torch.Tensor:
+    """The float32 weight the CUDA kernels multiply by: the reference their tests compare with."""
+    shifts = 4 * torch.arange(8, device=weight.codes.device)
+    codes = ((weight.codes[..., None].to(torch.int64) >> shifts) & 0xF).flatten(1).float()
+    groups = codes.unflatten(1, (-1, weight.group_size))
+    return ((groups - _ZERO_POINT) * weight.scales.float()[..., None] + weight.zeros.float()[..., None]).flatten(1)
+
+
 FP8 = "fp8"
 E4M3_MAX = 448.0
 FP8_MIN_SCALE = 1e-12  # a row of zeros still gets a usable scale
@@ -124,7 +187,7 @@ def round_rows_through_fp8(x: torch.Tensor) -> torch.Tensor:
     return (rounded * scales).to(x.dtype)
 
 
-PackedWeight = Int4Weight | Fp8Weight  # the union of every packed format
+PackedWeight = Int4Weight | Int4CudaWeight | Fp8Weight  # the union of every packed format
 QUANTIZATIONS = (INT4, FP8)
 
 
@@ -148,13 +211,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
             f"int4 weights need in_features divisible by {group_size} and out_features by {_ROW_TILE}, "
             f"got {out_features} x {in_features}"
         )
-    groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(-1), groups.amax(-1)
-    # Scales and zeros are rounded first, then each code chosen against the rounded pair.
-    scale = ((high - low) / 15).to(COMPUTE_DTYPE).float()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0
-    zero = (low + _ZERO_POINT * scale).to(COMPUTE_DTYPE).float()
-    codes = ((groups - zero[..., None]) / scale[..., None] + _ZERO_POINT).round().clamp(0, 15)
+    codes, scale, zero = int4_groups(weight, group_size)
     wide = None
     if _BF16_MATMULS:
         wide = ((codes - _ZERO_POINT) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
@@ -196,7 +253,8 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     from kestrel.layers.linear import Linear
     from kestrel.layers.moe import SparseMoe
 
-    takes = packable if method == INT4 else fp8_packable
+    on_cuda = next(model.parameters()).is_cuda
+    takes = fp8_packable if method == FP8 else (int4_cuda_packable if on_cuda else packable)
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.quantizable and takes(module.out_features, module.in_features):
@@ -206,6 +264,11 @@ def quantize_linears(model: nn.Module, method: str) -> int:
             module.quantize(method)
             count += 2
     return count
+
+
+def int4_cuda_packable(out_features: int, in_features: int) -> bool:
+    """The CUDA kernels take whole groups of 128 inputs."""
+    return in_features % CUDA_GROUP_SIZE == 0
 
 
 def fp8_packable(out_features: int, in_features: int) -> bool:

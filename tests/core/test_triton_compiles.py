@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 
 from kestrel.core.attention import triton_kernels as attention
 from kestrel.core.attention import triton_mla
-from kestrel.layers import fp8_matmul, fused, fused_moe, gated_delta_kernels, gemv
+from kestrel.layers import fp8_matmul, fused, fused_moe, gated_delta_kernels, gemv, int4_matmul
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED_MEMORY = 227 * 1024  # per program, at most
@@ -51,6 +51,17 @@ CASES = {
         gemv._gemv_kernel,
         BF16_ROW | {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
         dict(HAS_BIAS=False, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
+    ),
+    "int4_gemv": (  # a 4096-wide bf16 projection's codes, widened in registers
+        int4_matmul.int4_gemv_kernel,
+        BF16_ROW | {"codes_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16"},
+        dict(GROUP=128, HAS_BIAS=False, BLOCK_N=4, BLOCK_K=1024, DEPENDENT=True),
+    ),
+    "int4_matmul": (
+        int4_matmul.int4_matmul_kernel,
+        {"a_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16", "codes_ptr": "*i32"}
+        | {"scales_ptr": "*bf16", "zeros_ptr": "*bf16"},
+        dict(GROUP=128, HAS_BIAS=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32", DEPENDENT=True),
     ),
     "quantize_rows_float8": (
         fp8_matmul._quantize_rows_kernel,
