@@ -121,9 +121,12 @@ class Generation:
         engine_id = f"{self.request_id}-{index}"
         num_output_tokens = 0
         finish_reason = None
-        self._num_sent += 1  # the generator registers the request, taking its seat, on its first step
         try:
             token_ids, export, imported = await self._handoff_inputs(prompt)
+            # The generator takes over the request's reserved seat on its first step, which
+            # runs before anything can be cancelled: counted only now, so a failed handoff
+            # (no state fetched) leaves the seat for `stream` to give back.
+            self._num_sent += 1
             async for delta in self.client.generate(
                 engine_id,
                 token_ids,

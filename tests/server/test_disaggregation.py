@@ -50,17 +50,27 @@ class RouterProcess:
             self.process.kill()
 
 
+def stop_together(router: RouterProcess, *servers: ServerProcess) -> None:
+    """Signal every process first, then wait for each: their shutdowns overlap."""
+    router.process.terminate()
+    for server in servers:
+        if server.process.poll() is None and not server.terminated:
+            server.process.send_signal(signal.SIGTERM)
+            server.terminated = True
+    router.stop()
+    for server in servers:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def deployment(server_model):
     """One instance alone, and a prefill instance + a decode instance behind the router."""
     single = ServerProcess(server_model, *COMMON)
-    prefill = ServerProcess(server_model, *COMMON, "--kv-role", "prefill", "--kv-transfer-timeout", "30")
+    prefill = ServerProcess(server_model, *COMMON, "--kv-role", "prefill", "--kv-transfer-timeout", "10")
     decode = ServerProcess(server_model, *COMMON, "--kv-role", "decode")
     router = RouterProcess([prefill.base_url], [decode.base_url])
     yield single, prefill, decode, router
-    router.stop()
-    for server in (single, prefill, decode):
-        server.stop()
+    stop_together(router, single, prefill, decode)
 
 
 def direct(server: ServerProcess) -> openai.OpenAI:
@@ -161,6 +171,30 @@ def test_handoff_fields_are_checked(deployment):
     assert decode.metric("kv_cache_used_pages") == 0
 
 
+def test_failed_handoffs_give_their_seats_back(deployment, server_model):
+    """A decode request whose state cannot be fetched fails with a 502 and holds no seat: with
+    room for two requests, three failed handoffs leave the instance serving, and it stops at
+    once on SIGTERM (a held seat kept its drain waiting until it was killed)."""
+    _, prefill, _, _ = deployment
+    decode = ServerProcess(server_model, *COMMON, "--kv-role", "decode", "--max-num-seqs", "1", "--max-queue-len", "1")
+    try:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 2}
+        unknown = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": prefill.port}
+        unknown |= {"transfer_id": "1" * 32, "num_tokens": 2}
+        for _ in range(3):
+            failed = httpx.post(
+                f"{decode.base_url}/v1/completions", json={**body, "kv_transfer_params": unknown}, headers=headers
+            )
+            assert failed.status_code == 502
+        assert httpx.post(f"{decode.base_url}/v1/completions", json=body, headers=headers).status_code == 200
+        start = time.monotonic()
+        decode.stop()
+        assert time.monotonic() - start < 15
+    finally:
+        decode.stop()
+
+
 def test_unfetched_state_expires(server_model):
     prefill = ServerProcess(server_model, *COMMON, "--kv-role", "prefill", "--kv-transfer-timeout", "0.5")
     try:
@@ -223,6 +257,4 @@ def test_a_hybrid_model_hands_over_its_recurrent_state(checkpoint_dir):
             assert completion_tokens(router.client(), prompt)[0] == completion_tokens(direct(single), prompt)[0]
         assert decode.metric("kv_cache_used_pages") == 0 and prefill.metric("kv_transfer_pending") == 0
     finally:
-        router.stop()
-        for server in (single, prefill, decode):
-            server.stop()
+        stop_together(router, single, prefill, decode)
