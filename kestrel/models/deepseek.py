@@ -303,13 +303,19 @@ class DeepseekRecipe:
         )
 
     def _routing(self, hf_config: object) -> RoutingConfig:
+        scoring = SIGMOID if self.v3 else SOFTMAX
+        declared = getattr(hf_config, "scoring_func", None)  # the original configs' field
+        if declared is not None and declared != scoring:
+            raise ValueError(
+                f"{self.architectures[0]} with scoring_func {declared!r} is not supported; it routes by {scoring!r}"
+            )
         groups = hf_config.n_group or 1
         if not self.v3 and getattr(hf_config, "topk_method", "greedy") == "greedy":
             groups = 1
         elif not self.v3 and hf_config.topk_method != "group_limited_greedy":
             raise ValueError(f"DeepSeek-V2 topk_method {hf_config.topk_method!r} is not supported")
         return RoutingConfig(
-            scoring=SIGMOID if self.v3 else SOFTMAX,
+            scoring=scoring,
             num_groups=groups,
             topk_groups=hf_config.topk_group or 1,
             scaling_factor=float(hf_config.routed_scaling_factor),

@@ -78,3 +78,17 @@ def test_unsupported_dtype_is_a_clear_error(checkpoint_dir):
 def test_invalid_engine_options_name_the_option(checkpoint_dir, field, value, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(checkpoint_dir("llama")), **{field: value})
+
+
+@pytest.mark.parametrize(
+    "name, field, value, message",
+    [
+        ("deepseek-v2-lite", "scoring_func", "sigmoid", "scoring_func 'sigmoid' is not supported"),
+        ("deepseek-v2-lite", "topk_method", "noaux_tc", "topk_method 'noaux_tc' is not supported"),
+    ],
+)
+def test_a_routing_deepseek_does_not_have_is_refused_by_name(name, field, value, message):
+    config = dummy_hf_config(name)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=message):
+        recipe_for(config.architectures).spec(config)
