@@ -186,6 +186,11 @@ def tokens_by_expert(
             start += count
 
 
+# The checkpoint names of each expert's projections in Qwen's and DeepSeek's
+# layouts (`mlp.experts.<e>.gate_proj`, ...), by the stacked part each fills.
+EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
 def expert_mappings(num_experts: int, source_prefix: str, names: dict[str, str]) -> list[PackedMapping]:
     """Checkpoint names `<prefix>.experts.<e>.<name>` -> the stacked weights' shards.
 

@@ -37,7 +37,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import SkippedPrefix, WeightBindings
 from kestrel.layers import ops
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice
-from kestrel.layers.moe import SparseMoe, expert_mappings
+from kestrel.layers.moe import EXPERT_PROJECTIONS, SparseMoe, expert_mappings
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.dense import (
     MLP_MAPPINGS,
@@ -328,8 +328,7 @@ class DeepseekRecipe:
         return DecoderForCausalLM(spec, parallel, DeepseekDecoderLayer)
 
     def bindings(self, model: nn.Module, spec: DeepseekSpec) -> WeightBindings:
-        names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-        experts = tuple(expert_mappings(spec.moe.num_experts, "mlp", names))
+        experts = tuple(expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS))
         # V3 releases append their multi-token-prediction layers after the decoder's.
         mtp = tuple(
             SkippedPrefix(f"model.layers.{spec.num_layers + i}.", "multi-token prediction (not run for DeepSeek yet)")

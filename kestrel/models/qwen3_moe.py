@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from kestrel.core.weight_bindings import WeightBindings
-from kestrel.layers.moe import expert_mappings
+from kestrel.layers.moe import EXPERT_PROJECTIONS, expert_mappings
 from kestrel.models.dense import DenseDecoderRecipe, decoder_bindings, read_dense_spec, reject_sliding_window_layers
 from kestrel.models.spec import DecoderSpec, MoeSpec
 
@@ -38,5 +38,4 @@ class Qwen3MoeRecipe(DenseDecoderRecipe):
         )
 
     def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
-        names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-        return decoder_bindings(model, spec, tuple(expert_mappings(spec.moe.num_experts, "mlp", names)))
+        return decoder_bindings(model, spec, tuple(expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS)))

@@ -10,7 +10,7 @@ from torch import nn
 
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
-from kestrel.layers.moe import expert_mappings
+from kestrel.layers.moe import EXPERT_PROJECTIONS, expert_mappings
 from kestrel.models.dense import read_dense_spec, read_rope
 from kestrel.models.hybrid import HybridForCausalLM, hybrid_bindings
 from kestrel.models.qwen3_moe import read_qwen_moe
@@ -82,13 +82,12 @@ class Qwen3NextRecipe(HybridRecipe):
     def _expert_mappings(spec: DecoderSpec) -> tuple[PackedMapping, ...]:
         if spec.moe is None:
             return ()
-        names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-        mappings = expert_mappings(spec.moe.num_experts, "mlp", names)
+        mappings = expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS)
         if spec.shared_expert_size:  # the shared expert's gate is the router's last row
             mappings.append(PackedMapping("shared_expert_gate", "gate", "shared"))
         if spec.stacks_shared_expert:  # the shared expert is stacked last (SharedExpertMoe)
             shared = spec.moe.num_experts
-            for name, part in names.items():
+            for name, part in EXPERT_PROJECTIONS.items():
                 target = "mlp.experts.w2" if part == "down" else "mlp.experts.w13"
                 mappings.append(PackedMapping(f"mlp.shared_expert.{name}", target, f"{shared}:{part}"))
         return tuple(mappings)
