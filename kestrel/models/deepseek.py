@@ -96,20 +96,23 @@ class DeepseekSpec(DecoderSpec):
         return self.mla.rope_dim
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, config: RoutingConfig):
+def route(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, config: RoutingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) [tokens, top_k] from the router's float32 logits, as transformers'
     DeepSeek routers choose them."""
     scores = logits.sigmoid() if config.scoring == SIGMOID else logits.softmax(dim=-1)
     choice = scores if bias is None else scores + bias
     if config.num_groups > 1:
+        v3 = config.scoring == SIGMOID
         groups = choice.view(choice.shape[0], config.num_groups, -1)
         # V3 ranks a group by its two best experts, V2 by its best one.
-        best = groups.topk(2, dim=-1).values.sum(dim=-1) if bias is not None else groups.amax(dim=-1)
+        best = groups.topk(2, dim=-1).values.sum(dim=-1) if v3 else groups.amax(dim=-1)
         kept = torch.zeros_like(best, dtype=torch.bool)
         kept.scatter_(1, best.topk(config.topk_groups, dim=-1).indices, True)
         dropped = ~kept[:, :, None].expand_as(groups).reshape_as(choice)
         # V2 zeroes the dropped groups' scores (softmax scores are positive), V3 excludes them.
-        choice = choice.masked_fill(dropped, float("-inf") if bias is not None else 0.0)
+        choice = choice.masked_fill(dropped, float("-inf") if v3 else 0.0)
     experts = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, experts)
     if renormalize:
@@ -136,7 +139,9 @@ class DeepseekMoe(SparseMoe):
         self.gate = DeepseekRouter(spec.hidden_size, moe.num_experts, spec.routing.correction_bias)
         self.shared_experts = DecoderMLP(spec, parallel, moe.intermediate_size * spec.shared_experts)
 
-    def route(self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None):
+    def route(
+        self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         routing = self.routing
         if hidden.is_cuda and routing.scoring == SOFTMAX and routing.num_groups == 1:
             # V2's greedy top-k of a softmax: the fused routing kernel, on the router's logits
