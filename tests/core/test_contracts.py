@@ -157,28 +157,30 @@ def run_mixed_batch(backend_cls, device, page_size, layer, sinks=None):
 
 
 LATENT_CASES = [
-    (backend, device, page_size, heads)
+    (backend, device, page_size, heads, pool_dtype)
     for backend in BACKENDS
     if LATENT_KV in backend.capabilities.kv_forms
     for device in backend_devices(backend)
     for page_size in supported((4, 16), backend.capabilities.page_sizes)
     for heads in (4, 20)  # one block of query heads, and two with the second partly padded
+    for pool_dtype in (torch.float32, *sorted(backend.capabilities.kv_cache_dtypes, key=str))
 ]
 
 
-@pytest.mark.parametrize("backend_cls, device, page_size, heads", LATENT_CASES)
-def test_backend_matches_dense_reference_over_a_latent_pool(backend_cls, device, page_size, heads):
+@pytest.mark.parametrize("backend_cls, device, page_size, heads, pool_dtype", LATENT_CASES)
+def test_backend_matches_dense_reference_over_a_latent_pool(backend_cls, device, page_size, heads, pool_dtype):
     """Multi-head latent attention: one KV head of latent + rotary dims whose values are the
-    latents; the pool stores the keys alone, and every backend reads the values from them."""
+    latents; the pool stores the keys alone, and every backend reads the values from them. A
+    float8 pool reads back exactly the float8 values it was given."""
     torch.manual_seed(0)
     latent, rope = 32, 16
     dim = latent + rope
     layer = AttentionLayerSpec(heads, 1, dim, dim**-0.5, latent_dim=latent)
-    spec = KVCacheSpec(1, 1, dim, torch.float32, page_size, latent_dim=latent)
+    spec = KVCacheSpec(1, 1, dim, pool_dtype, page_size, latent_dim=latent)
     kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), torch.device(device))
     backend = backend_cls(torch.device(device), page_size)
     shapes = [(9, 1), (0, 1), (40, 1), (0, 7), (13, 6), (3, 70)]  # as the mixed batch above
-    contexts = {i: torch.randn(c + n, 1, dim) for i, (c, n) in enumerate(shapes)}
+    contexts = {i: torch.randn(c + n, 1, dim).to(pool_dtype).float() for i, (c, n) in enumerate(shapes)}
     chunks = []
     for index, (cached, new) in enumerate(shapes):
         pages = tuple(kv.reserve(str(index), cached + new))

@@ -126,6 +126,12 @@ CASES = {
         | dict(GROUP=8, HEAD_DIM=64, BLOCK_D=64, HAS_SINKS=True, SPLIT=True, DOTS_IN_FP16=False)
         | dict(VALUES_BY_SLOT=False, WHOLE_BLOCKS=False, DEPENDENT=True),
     ),
+    "mla_decode_float8": (  # a float8 latent pool, widened to bf16 as it is read
+        triton_mla.mla_decode_kernel,
+        ATTENTION | {"cache_ptr": "*fp8e4nv"},
+        dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
+        | dict(SPLIT=False, DEPENDENT=True),
+    ),
     "combine_splits": (
         attention.combine_splits_kernel,
         ATTENTION,

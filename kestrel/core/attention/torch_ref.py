@@ -60,7 +60,7 @@ class TorchReferenceBackend(PagedAttentionBackend):
         prefill_attention(query, cache, meta, layer, output, sinks)
 
 
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A float8 tensor as its bytes: torch has no CPU copy-by-index kernels for float8, and
     moving the bytes is the same copy."""
     return tensor.view(torch.uint8) if tensor.dtype in FLOAT8_KV_DTYPES else tensor
@@ -79,13 +79,13 @@ def store_kv_at(
     """`store_kv` with each token's page and offset in it already split from its slot."""
     stored = ((cache.key, key),) if cache.values_in_keys else ((cache.key, key), (cache.value, value))
     for pool, new in stored:
-        _raw(pool)[:, pages, offsets] = _raw(new.transpose(0, 1).to(pool.dtype))
+        raw_bytes(pool)[:, pages, offsets] = raw_bytes(new.transpose(0, 1).to(pool.dtype))
 
 
 def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[heads, num_pages, page, dim] gathered by [rows, width] -> [rows, heads, width*page, dim],
     in `dtype` (default: the pool's own)."""
-    gathered = _raw(pages)[:, page_table].view(pages.dtype)
+    gathered = raw_bytes(pages)[:, page_table].view(pages.dtype)
     heads, rows, width, page, dim = gathered.shape
     gathered = gathered.reshape(heads, rows, width * page, dim).transpose(0, 1)
     return gathered if dtype is None else gathered.to(dtype)

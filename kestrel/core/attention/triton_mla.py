@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kestrel.core.attention.base import LATENT_KV, AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.torch_ref import prefill_attention as torch_prefill_attention
+from kestrel.core.attention.torch_ref import raw_bytes
 from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step, combine_splits_kernel
 from kestrel.core.attention.triton_paged import (
     TritonPagedBackend,
@@ -27,7 +28,7 @@ from kestrel.core.attention.triton_paged import (
 )
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
-from kestrel.core.state import KVLayerCache
+from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache
 from kestrel.core.workspace import Workspace
 
 HEAD_BLOCK = 16  # query heads per program: tl.dot's smallest tile; DeepSeek-V3's 128 make 8 blocks
@@ -43,6 +44,7 @@ class TritonMlaBackend(TritonPagedBackend):
         sliding_window=False,
         cuda_graphs=True,
         page_sizes=frozenset({16, 32, 64, 128}),
+        kv_cache_dtypes=FLOAT8_KV_DTYPES,  # latents rounded to e4m3, widened as they are read
         kv_forms=frozenset({LATENT_KV}),
     )
 
@@ -53,7 +55,9 @@ class TritonMlaBackend(TritonPagedBackend):
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """The new latent rows [tokens, 1, dim] into their slots (the values are in them)."""
         rows = cache.key.view(-1, cache.key.shape[-1])
-        rows.index_copy_(0, slots, key.reshape(-1, rows.shape[-1]).to(rows.dtype))
+        new = key.reshape(-1, rows.shape[-1]).to(rows.dtype)
+        # As bytes: torch has no copy-by-index kernels for float8, and moving the bytes is the same copy.
+        raw_bytes(rows).index_copy_(0, slots, raw_bytes(new))
 
     def decode(
         self,
