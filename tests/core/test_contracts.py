@@ -207,7 +207,7 @@ FLOAT8 = torch.float8_e4m3fn
 FLOAT8_CASES = [
     (backend, device, page_size, window, dtype)
     for backend in BACKENDS
-    if FLOAT8 in backend.capabilities.kv_cache_dtypes
+    if FLOAT8 in backend.capabilities.kv_cache_dtypes and SEPARATE_KV in backend.capabilities.kv_forms
     for device in backend_devices(backend)
     for page_size in supported((4, 16), backend.capabilities.page_sizes)
     for window in (None, 5)
