@@ -694,7 +694,7 @@ def fused_moe(
         scales=s13,
         bias=form.w13_bias,
         activation=form.activation,
-        weight_input=True,
+        weight_input=scale_input,
     )
     down = _grouped_matmul(
         activated,

@@ -23,7 +23,6 @@ from kestrel.core.attention.triton_paged import (
     TritonPagedBackend,
     decode_splits,
     page_size_of,
-    reserve_split_partials,
     split_partials,
 )
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
@@ -47,10 +46,6 @@ class TritonMlaBackend(TritonPagedBackend):
         kv_cache_dtypes=FLOAT8_KV_DTYPES,  # latents rounded to e4m3, widened as they are read
         kv_forms=frozenset({LATENT_KV}),
     )
-
-    def allocate(self, workspace: Workspace, max_rows: int, layer: AttentionLayerSpec) -> None:
-        reserve_split_partials(workspace, max_rows, layer)
-        self._workspace = workspace
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """The new latent rows [tokens, 1, dim] into their slots (the values are in them)."""
