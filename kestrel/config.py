@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kestrel.engine.compilation import CompilationConfig
 from kestrel.engine.reasoning import reasoning_format
 from kestrel.engine.speculative import SpeculativeConfig
 
@@ -37,7 +38,10 @@ class EngineArgs:
     attention_backend: str | None = None
     tokenizer: str | None = None  # defaults to the checkpoint's own
     revision: str | None = None  # a Hugging Face model id's branch, tag or commit
-    enforce_eager: bool = False  # never capture CUDA graphs
+    enforce_eager: bool = False  # never capture CUDA graphs (nor compile CPU steps)
+    # Compiled decode steps on the CPU (vLLM's name): a CompilationConfig, its dict or JSON
+    # text ({"mode": 3, "compile_sizes": [1]}), or a bare mode (-O3). Eager by default.
+    compilation_config: CompilationConfig | dict[str, Any] | str | int | None = None
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
     # Hybrid models (linear-attention layers): their cached prefixes end where a copy of the
     # recurrent state was kept. Prefill chunks stop at every multiple of this many tokens
@@ -146,5 +150,7 @@ class EngineArgs:
                 raise ValueError(message)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        compilation = CompilationConfig.parse(self.compilation_config or CompilationConfig())
+        object.__setattr__(self, "compilation_config", compilation)
         if self.reasoning_parser is not None:
             reasoning_format(self.reasoning_parser)  # an unknown name fails here, naming the known ones

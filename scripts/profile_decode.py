@@ -25,13 +25,13 @@ from kestrel.core.graph import GraphKey, GraphPhase
 
 
 def replay_ms(graphs, size: int, repeats: int = 50) -> float:
-    graph = graphs._graphs[GraphKey(GraphPhase.DECODE, size)]
+    replay = graphs._graphs[GraphKey(GraphPhase.DECODE, size)]
     for _ in range(3):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats * 1e3
 
@@ -52,11 +52,11 @@ def replay_timeline(graphs, size: int, path: Path) -> dict[str, float]:
     """Kernels of one graph replay as the device ran them (dependent launches included): the
     Chrome trace beside `path`, its summary (kestrel/bench/trace.py) in it; the span and
     busy time are returned."""
-    graph = graphs._graphs[GraphKey(GraphPhase.DECODE, size)]
-    graph.replay()
+    replay = graphs._graphs[GraphKey(GraphPhase.DECODE, size)]
+    replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
     summary = device_timeline(prof, path.with_suffix(".trace.json"))
     path.write_text(json.dumps(summary, indent=1))

@@ -248,7 +248,8 @@ class RecurrentStateProvider(StateProvider, StepBinder):
             query_start=query_start,
         )
 
-    def prepare_capture(self, workspace: Workspace, scratch: int, max_rows: int, max_pages: int) -> None:
+    def prepare_capture(self, workspace: Workspace, provider: StateProvider, max_rows: int, max_pages: int) -> None:
+        scratch = provider.scratch_id
         workspace.reserve(_GRAPH_VECTORS, 4 * max_rows, torch.long)
         self._graph_vectors = workspace.get(_GRAPH_VECTORS, (4, max_rows), torch.long)
         self._graph_vectors[:3].fill_(scratch)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kestrel.core.batch import KV_GROUP, BatchInputs, BatchLayout, SequenceChunk, values_to_device
-from kestrel.core.cuda_graphs import DecodeGraphs
+from kestrel.core.decode_graphs import DecodeGraphs
 from kestrel.core.forward import bind_groups
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.runtime import DeviceRuntime
@@ -276,6 +276,8 @@ class ModelRunner:
             return False
         rows = sum(len(item.token_ids) for item in ordered)
         if self.graphs.bucket_for(rows) is None or any(item.prompt_logprob_targets for item in ordered):
+            return False
+        if not self.graphs.verify_rows and not all(item.is_decode for item in ordered):
             return False
         return all(self._is_graph_row(item) for item in ordered)
 

@@ -22,7 +22,6 @@ WITHOUT_EFFECT = {
     "disable_custom_all_reduce": "tensor parallelism uses the NCCL or gloo all-reduce only",
     "max_seq_len_to_capture": "CUDA graphs cover decode steps of every length",
     "disable_log_stats": "the offline engine logs no periodic stats",
-    "compilation_config": "Kestrel does not use torch.compile",
     "enable_chunked_prefill": "chunked prefill is always on",
     "tokenizer_mode": "the tokenizer is transformers' fast tokenizer",
     "worker_cls": "workers are Kestrel's own",

@@ -16,7 +16,7 @@ from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec, Ba
 from kestrel.core.attention.registry import select_backend
 from kestrel.core.batch import KV_GROUP
 from kestrel.core.binder import StepBinder
-from kestrel.core.cuda_graphs import DecodeGraphs, graphs_supported
+from kestrel.core.decode_graphs import DecodeGraphs, check_compiles, decode_buckets, graphs_supported
 from kestrel.core.host_tier import HostKVTier
 from kestrel.core.layer_spec import PoolBudget, StateGroupSpec
 from kestrel.core.parallel import SINGLE, TensorParallel
@@ -444,17 +444,40 @@ def build_runner(
     workspace = Workspace(runtime.device)
     groups = state_groups(kv, loaded.backend_cls, loaded.layer, fixed, workspace, args.max_num_seqs)
     graphs = None
-    if runtime.supports_graphs and graphs_supported(groups) and not args.enforce_eager:
-        graphs = DecodeGraphs(
-            model, groups, workspace, min(args.max_num_seqs, MAX_GRAPH_BATCH), -(-max_model_len // args.page_size)
-        )
-        with log_duration(logger, "capturing CUDA graphs"):
+    buckets = graph_buckets(args, runtime)
+    if buckets and not runtime.graphs_by_default:
+        check_compiles(groups)
+    if buckets and graphs_supported(groups):
+        graphs = DecodeGraphs(model, groups, workspace, runtime, buckets, -(-max_model_len // args.page_size))
+        what = "capturing CUDA graphs" if runtime.name == "cuda" else f"compiling decode steps of {buckets} rows"
+        with log_duration(logger, what):
             graphs.capture()
     batch_tokens = loaded.max_num_batched_tokens
     runner = ModelRunner(model, groups, runtime, workspace, batch_tokens, graphs, sampling, parallel)
     with log_duration(logger, "warm-up"):
         warm_up(runner, *runtime.warm_up_size(batch_tokens, args.max_num_seqs), max_model_len)
     return runner
+
+
+def graph_buckets(args: EngineArgs, runtime: DeviceRuntime) -> list[int]:
+    """The decode batch sizes captured as graphs: every bucket on CUDA unless eager is asked
+    for; on the CPU, the sizes `compilation_config` compiles, if it asks."""
+    compilation = args.compilation_config
+    if compilation.compiles and runtime.graphs_by_default:
+        raise ValueError(
+            f"compilation_config mode {compilation.mode} compiles CPU steps; on {runtime.name} decode steps "
+            "are captured as CUDA graphs already (enforce_eager turns them off)"
+        )
+    if compilation.compiles and args.tensor_parallel_size > 1:
+        raise ValueError("compilation_config: compiled steps are not supported with tensor parallelism yet")
+    if compilation.compiles and args.enforce_eager:
+        raise ValueError("compilation_config mode 3 compiles steps, and enforce_eager asks for none: choose one")
+    if not runtime.supports_graphs or args.enforce_eager:
+        return []
+    largest = min(args.max_num_seqs, MAX_GRAPH_BATCH)
+    if runtime.graphs_by_default:
+        return decode_buckets(largest)
+    return [size for size in compilation.compile_sizes if size <= largest] if compilation.compiles else []
 
 
 def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, TensorParallelExecutor]:

@@ -81,6 +81,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 5, "prompt_lookup_min": 2}',
     )
+    parser.add_argument(
+        "--compilation-config",
+        "-O",
+        default=None,
+        help='CPU: decode steps compiled whole (torch.compile), as JSON {"mode": 3, "compile_sizes": [1]} or a '
+        "bare mode (-O3); compiling takes tens of seconds at start-up. Default: eager",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
     # vLLM's flags: the same names as the offline API's vLLM arguments (engine/compat.py).
@@ -133,6 +140,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_state_snapshots=args.num_state_snapshots,
         reasoning_parser=args.reasoning_parser,
         speculative_config=args.speculative_config,
+        compilation_config=args.compilation_config,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )

@@ -60,12 +60,13 @@ class StackedExpertWeight(nn.Module):
         self.weight = nn.Parameter(values, requires_grad=False)
         self.scales = scales
 
-    def expert(self, index: int, dtype: torch.dtype) -> torch.Tensor:
-        """One expert's weight in `dtype` (dequantized where it is float8)."""
+    def expert(self, index: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's weight in `dtype` (dequantized where it is float8); for a tensor of
+        indices, theirs stacked."""
         weight = self.weight[index]
         if self.scales is None:
             return weight
-        return (weight.float() * self.scales[index, :, None]).to(dtype)
+        return (weight.float() * self.scales[index][..., None]).to(dtype)
 
     def shard_ids(self) -> frozenset[str]:
         return self._shards
@@ -156,9 +157,18 @@ class SparseMoe(nn.Module):
 
             w13, w2 = self.experts.w13, self.experts.w2
             out = fused_moe(hidden, w13.weight, w2.weight, weights, experts, scales=(w13.scales, w2.scales))
+        elif torch.compiler.is_compiling():
+            out = self.gathered(hidden, weights, experts)
         else:
             out = self.grouped(hidden, weights, experts)
         return self.parallel.all_reduce(out)  # each rank computed its slice of every expert
+
+    def gathered(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The compiled path (`per_choice`): no host sync, each choice's expert read once."""
+        inputs, chosen = per_choice(hidden, experts)
+        gate, up = choice_linear(inputs, self.experts.w13.expert(chosen, hidden.dtype)).chunk(2, dim=-1)
+        down = choice_linear(F.silu(gate) * up, self.experts.w2.expert(chosen, hidden.dtype))
+        return sum_choices(down, experts.shape[1], weights)
 
     def grouped(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The torch path: one matmul per expert over its tokens (reads counts to the host)."""
@@ -169,6 +179,26 @@ class SparseMoe(nn.Module):
             expert_out = ops.linear(F.silu(gate) * up, w2.expert(expert, hidden.dtype))
             out.index_add_(0, rows, expert_out * row_weights[:, None])
         return out
+
+
+def per_choice(hidden: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's row once per expert it chose, and those experts: [tokens * k, hidden] and
+    [tokens * k]. The graph-safe way to run experts (compiled steps): every choice gathers its
+    expert's weights and runs batched matvecs, with no expert counts read to the host. It reads
+    an expert once per choice of it, which suits decode steps of a few rows."""
+    return hidden.repeat_interleave(experts.shape[1], dim=0), experts.flatten()
+
+
+def choice_linear(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """inputs [n, in] each times its own weight of weights [n, out, in]: [n, out]."""
+    return torch.bmm(weights, inputs[:, :, None])[..., 0]
+
+
+def sum_choices(outputs: torch.Tensor, choices: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """outputs [tokens * choices, hidden] summed over each token's choices, weighted by weights
+    [tokens, choices] where given."""
+    per_token = outputs.view(-1, choices, outputs.shape[-1])
+    return (per_token if weights is None else per_token * weights[..., None]).sum(dim=1)
 
 
 def tokens_by_expert(

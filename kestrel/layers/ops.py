@@ -81,7 +81,7 @@ def linear_rotary(
     tokens, width = out.shape[0], rotation.heads * rotation.head_dim
     heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
     rotated = rotary(heads, rotation.cos, rotation.sin)
-    if rotated.data_ptr() != out.data_ptr():  # rotated out of place (the CPU)
+    if not out.is_cuda:  # rotated out of place
         out[:, :width] = rotated.view(tokens, width)
     return out
 
@@ -168,8 +168,7 @@ def qk_norm_rotary(
     rotary on both. On CUDA, where the key heads follow the query heads in each row (a qkv
     projection's output) and the rotary dim is the whole head: one in-place kernel."""
     tokens, num_q_heads, head_dim = query.shape
-    adjacent = key.data_ptr() == query.data_ptr() + num_q_heads * head_dim * query.element_size()
-    if query.is_cuda and adjacent and query.stride() == key.stride() and cos.shape[-1] == head_dim:
+    if query.is_cuda and _key_heads_follow(query, key) and cos.shape[-1] == head_dim:
         from kestrel.layers import fused
 
         heads = query.as_strided((tokens, num_q_heads + key.shape[1], head_dim), query.stride())
@@ -177,6 +176,13 @@ def qk_norm_rotary(
         return query, key
     query, key = rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps)
     return rotary(query, cos, sin), rotary(key, cos, sin)
+
+
+def _key_heads_follow(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether key's heads follow query's in each row of one tensor, at the same strides."""
+    _, num_q_heads, head_dim = query.shape
+    adjacent = key.data_ptr() == query.data_ptr() + num_q_heads * head_dim * query.element_size()
+    return adjacent and query.stride() == key.stride()
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

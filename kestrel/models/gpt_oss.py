@@ -22,7 +22,7 @@ from kestrel.core.weight_bindings import WeightBindings, copy_whole
 from kestrel.layers import ops
 from kestrel.layers.fused_moe import CLAMPED_SWIGLU, SWIGLU_ALPHA, SWIGLU_LIMIT, ExpertForm
 from kestrel.layers.linear import Linear, RowParallelLinear, copy_into
-from kestrel.layers.moe import RoutedExperts, tokens_by_expert
+from kestrel.layers.moe import RoutedExperts, choice_linear, per_choice, sum_choices, tokens_by_expert
 from kestrel.models.dense import (
     DecoderAttention,
     DecoderForCausalLM,
@@ -137,8 +137,12 @@ class GptOssMoe(nn.Module):
         return RoutedExperts(params.gate_up_proj.shape[0], self.top_k, tensors)
 
     def _experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
         params = self.experts
+        if torch.compiler.is_compiling():
+            inputs, chosen = per_choice(hidden, experts)
+            gate_up = choice_linear(inputs, params.gate_up_proj[chosen]) + params.gate_up_proj_bias[chosen]
+            return sum_choices(choice_linear(swiglu(gate_up), params.down_proj[chosen]), self.top_k, weights)
+        out = torch.zeros_like(hidden)
         for expert, rows, row_weights in tokens_by_expert(experts, weights, params.gate_up_proj.shape[0]):
             gate_up = ops.linear(hidden[rows], params.gate_up_proj[expert]) + params.gate_up_proj_bias[expert]
             down = ops.linear(swiglu(gate_up), params.down_proj[expert])

@@ -25,7 +25,7 @@ from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import SkippedPrefix, WeightBindings, copy_whole
 from kestrel.layers import ops
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from kestrel.layers.moe import RoutedExperts, tokens_by_expert
+from kestrel.layers.moe import RoutedExperts, choice_linear, per_choice, sum_choices, tokens_by_expert
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import rotary_cos_sin
 from kestrel.models.dense import (
@@ -174,8 +174,13 @@ class Llama4Moe(nn.Module):
         return RoutedExperts(params.gate_up_proj.shape[0], self.top_k, (params.gate_up_proj, params.down_proj))
 
     def _experts(self, hidden: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
         params = self.experts
+        if torch.compiler.is_compiling():
+            inputs, chosen = per_choice(hidden, experts)
+            scaled = inputs * scores.reshape(-1, 1)
+            gate, up = choice_linear(scaled, params.gate_up_proj[chosen]).chunk(2, dim=-1)
+            return sum_choices(choice_linear(F.silu(gate) * up, params.down_proj[chosen]), self.top_k)
+        out = torch.zeros_like(hidden)
         for expert, rows, row_scores in tokens_by_expert(experts, scores, params.gate_up_proj.shape[0]):
             gate, up = ops.linear(hidden[rows] * row_scores[:, None], params.gate_up_proj[expert]).chunk(2, dim=-1)
             out.index_add_(0, rows, ops.linear(F.silu(gate) * up, params.down_proj[expert]))

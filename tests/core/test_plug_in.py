@@ -22,7 +22,7 @@ from kestrel.core.attention.paged import PagedAttentionBackend
 from kestrel.core.attention.torch_ref import gather_pages, store_kv
 from kestrel.core.batch import KV_GROUP, BatchLayout, to_device
 from kestrel.core.binder import StepBinder
-from kestrel.core.cuda_graphs import DecodeGraphs
+from kestrel.core.decode_graphs import DecodeGraphs, decode_buckets
 from kestrel.core.forward import BoundGroup, ForwardContext, bind_groups
 from kestrel.core.layer_spec import LayerSpec, PoolBudget
 from kestrel.core.recipe import ModelSpec
@@ -134,10 +134,10 @@ class CounterProvider(StateProvider, StepBinder):
             to_device(np.array(slots), self.device), torch.tensor(fresh, device=self.device), per_token
         )
 
-    def prepare_capture(self, workspace, scratch, max_rows, max_pages) -> None:
+    def prepare_capture(self, workspace, provider, max_rows, max_pages) -> None:
         workspace.reserve("counter.slots_and_fresh", 2 * max_rows, torch.long)
         self._graph = workspace.get("counter.slots_and_fresh", (2, max_rows), torch.long)
-        self._graph[0].fill_(scratch)
+        self._graph[0].fill_(provider.scratch_id)
 
     def capture_metadata(self, num_rows) -> CounterMetadata:
         return CounterMetadata(self._graph[0, :num_rows], self._graph[1, :num_rows] != 0, ())
@@ -222,7 +222,7 @@ def build_runner(device: str, graphs: bool = False) -> ModelRunner:
     workspace = Workspace(runtime.device)
     decode_graphs = None
     if graphs:
-        decode_graphs = DecodeGraphs(model, groups, workspace, max_num_seqs=4, max_pages_per_seq=16)
+        decode_graphs = DecodeGraphs(model, groups, workspace, runtime, decode_buckets(4), max_pages_per_seq=16)
         decode_graphs.capture()
     return ModelRunner(model, groups, runtime, workspace, 64, decode_graphs)
 
@@ -306,7 +306,7 @@ def _replay_without_capture(runner: ModelRunner, items: list[SequenceWork]) -> d
     size = 4  # a bucket larger than the batch: padded rows must touch nobody's state
     if not hasattr(runner, "_hooks_ready"):
         for group in runner.groups.values():
-            group.binder.prepare_capture(runner.workspace, group.provider.scratch_id, size, 16)
+            group.binder.prepare_capture(runner.workspace, group.provider, size, 16)
         runner._hooks_ready = True
     for group in runner.groups.values():
         group.binder.prepare_replay(layout, size)

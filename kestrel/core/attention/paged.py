@@ -13,7 +13,7 @@ from kestrel.core.attention.base import AttentionBackend, AttentionLayerSpec
 from kestrel.core.batch import KV_GROUP, BatchLayout, page_table, to_device
 from kestrel.core.graph import GraphPhase
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from kestrel.core.state import KVLayerCache
+from kestrel.core.state import KVLayerCache, StateProvider
 from kestrel.core.workspace import Workspace
 
 
@@ -113,7 +113,8 @@ class PagedAttentionBackend(AttentionBackend):
 
     supports_graphs = True
 
-    def prepare_capture(self, workspace: Workspace, scratch: int, max_rows: int, max_pages: int) -> None:
+    def prepare_capture(self, workspace: Workspace, provider: StateProvider, max_rows: int, max_pages: int) -> None:
+        scratch = provider.scratch_id
         workspace.reserve(_GRAPH_VECTORS, 2 * max_rows, torch.long)
         workspace.reserve(_GRAPH_PAGE_TABLE, max_rows * max_pages, torch.long)
         self._graph_vectors = workspace.get(_GRAPH_VECTORS, (2, max_rows), torch.long)

@@ -6,11 +6,17 @@ attention itself. This backend keeps that gathered batch (a "decode mirror", one
 from step to step and appends each step's new key and value to it; it gathers again only when
 the decode batch changes (a sequence joins, leaves or is reordered). A fresh prefill attends
 to its own new keys and values directly, with no gather at all.
+
+It also joins compiled decode steps (the CPU runtime's graphs, `core/decode_graphs.py`)
+through the graph hooks: there the mirrors are brought up to date before the step, outside
+the compiled code (regathered when the batch changes), and the step appends to them and
+attends over their first `width` keys, a dimension the compiled code takes as dynamic, so one
+compilation serves every context length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -19,16 +25,20 @@ from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.torch_ref import (
     TorchReferenceBackend,
     attention,
+    decode_key_mask,
     gather_pages,
     grouped_sinks,
+    store_kv,
     store_kv_at,
 )
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from kestrel.core.state import KVLayerCache
+from kestrel.core.state import KVLayerCache, PagedKVProvider
+from kestrel.core.workspace import Workspace
 
 MIRROR_HEADROOM = 64  # tokens of room past the longest sequence, so appends rarely regather
 MIRROR_MAX_LAYER_BYTES = 128 << 20  # above this a layer's decode batch is gathered each step
+WIDTH_STEP = 16  # a compiled step attends over a multiple of this many keys
 
 
 @dataclass
@@ -88,6 +98,72 @@ class DecodeBatch:
         )
 
 
+@dataclass(frozen=True)
+class MirroredDecodeMetadata(DecodeMetadata):
+    """A compiled decode step's metadata: the static buffers, and the positions of the keys
+    its rows attend over in the mirrors (their count, the step's width, varies step to step)."""
+
+    key_positions: torch.Tensor  # [width]
+
+
+class CompiledMirrors:
+    """The decode mirrors that compiled steps read: per layer [max_rows, kv_heads, capacity,
+    dim]; a step of n rows uses the first n (a padded row sees its position 0 alone)."""
+
+    def __init__(self, provider: PagedKVProvider, max_rows: int) -> None:
+        self.caches = tuple(provider.layer(index) for index in range(provider.spec.num_layers))
+        self.max_rows = max_rows
+        self.page_size = provider.spec.page_size
+        self._previous: DecodeBatch | None = None
+        self._rows = 0
+        self.step = -1  # the backend step they were last brought up to date for
+        self._regather(torch.zeros((0, 0), dtype=torch.long), WIDTH_STEP + MIRROR_HEADROOM)
+        self._set_width(WIDTH_STEP)
+
+    def refresh(self, layout: BatchLayout, page_table: torch.Tensor, step: int) -> None:
+        """Ready the mirrors for step `step`, which appends each row's new key at its last
+        position: regathered from the pool (`page_table` [rows, pages], padded rows on the
+        scratch page) unless the previous step was theirs and this one continues its batch
+        within their capacity."""
+        batch = DecodeBatch.of(layout.chunks)
+        width = -(-max(batch.seq_lens) // WIDTH_STEP) * WIDTH_STEP
+        current = (
+            self.step == step - 1
+            and self._rows == page_table.shape[0]
+            and self._previous is not None
+            and self._previous.continued_by(batch)
+            and width <= self._capacity
+        )
+        if not current:
+            self._regather(page_table, max(width + MIRROR_HEADROOM, page_table.shape[1] * self.page_size))
+        self._previous, self.step = batch, step
+        self._set_width(width)
+
+    @torch.inference_mode()
+    def _set_width(self, width: int) -> None:
+        self.key_positions = self._all_positions[:width]
+        torch._dynamo.mark_dynamic(self.key_positions, 0)
+
+    @torch.inference_mode()  # as steps run: a compiled step's guards tell the two kinds apart
+    def _regather(self, page_table: torch.Tensor, capacity: int) -> None:
+        self._rows, self._capacity = page_table.shape[0], capacity
+        self._all_positions = torch.arange(capacity)
+        self.mirrors = [self._gather(cache, page_table, capacity) for cache in self.caches]
+
+    def _gather(self, cache: KVLayerCache, page_table: torch.Tensor, capacity: int) -> DecodeMirror:
+        """`page_table` [rows, pages]: each row's pages, as many as its longest needs."""
+        shape = (self.max_rows, cache.key.shape[0], capacity, cache.key.shape[-1])
+        # Zeros: masking multiplies by zero, which would keep a NaN that fresh memory held.
+        mirror = DecodeMirror(cache.key.new_zeros(shape), cache.value.new_zeros(shape), 0)
+        rows, width = page_table.shape[0], page_table.shape[1] * self.page_size
+        if rows:
+            mirror.key[:rows, :, :width] = gather_pages(cache.key, page_table)
+            mirror.value[:rows, :, :width] = gather_pages(cache.value, page_table)
+        for tensor in (mirror.key, mirror.value):
+            torch._dynamo.mark_dynamic(tensor, 2)
+        return mirror
+
+
 class TorchCpuBackend(TorchReferenceBackend):
     """The reference's store and cached-prefix prefill, with a mirrored decode and fresh prefills
     that skip the pool."""
@@ -104,6 +180,11 @@ class TorchCpuBackend(TorchReferenceBackend):
         chunked_attention=True,
     )
 
+    compiles = True
+    # A compiled step's row reads its own mirror row, brought up to date before the step: a
+    # verify chunk's later rows would miss the keys its earlier rows store in that step.
+    graph_rows_see_each_other = False
+
     def __init__(self, device: torch.device, page_size: int) -> None:
         super().__init__(device, page_size)
         self._mirrors: dict[int, DecodeMirror] = {}  # by layer index
@@ -112,6 +193,7 @@ class TorchCpuBackend(TorchReferenceBackend):
         self._continues = False  # whether this step's decode batch continues the previous one
         self._capacity = 0  # mirror length for this step's regathers
         self._index: _StepIndex | None = None  # this step's indices, shared by every layer
+        self._compiled: CompiledMirrors | None = None  # compiled decode steps' mirrors
 
     def bind(self, layout: BatchLayout) -> AttentionMetadata:
         self._step += 1
@@ -126,6 +208,66 @@ class TorchCpuBackend(TorchReferenceBackend):
         metadata = super().bind(layout)
         self._index = _StepIndex.of(metadata, self.page_size)
         return metadata
+
+    # ---- graph hooks: the base class's static buffers, and mirrors for compiled steps -------
+
+    def prepare_capture(self, workspace: Workspace, provider: PagedKVProvider, max_rows: int, max_pages: int) -> None:
+        super().prepare_capture(workspace, provider, max_rows, max_pages)
+        self._compiled = CompiledMirrors(provider, max_rows)
+
+    def capture_metadata(self, num_rows: int) -> AttentionMetadata:
+        metadata = super().capture_metadata(num_rows)
+        plain = metadata.decode
+        decode = MirroredDecodeMetadata(
+            plain.num_seqs, plain.seq_lens, plain.page_table, plain.max_seq_len, self._compiled.key_positions
+        )
+        return replace(metadata, decode=decode)
+
+    def prepare_replay(self, layout: BatchLayout, num_rows: int) -> None:
+        super().prepare_replay(layout, num_rows)
+        self._step += 1
+        table = layout.page_table(self.group, fill=self._scratch, num_rows=num_rows)
+        self._compiled.refresh(layout, torch.from_numpy(table), self._step)
+
+    def _compiled_decode(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVLayerCache,
+        meta: MirroredDecodeMetadata,
+        layer: AttentionLayerSpec,
+        output: torch.Tensor,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """Inside a compiled step: append each row's new key and value, attend over `width`."""
+        mirror = self._compiled.mirrors[cache.layer_index]
+        rows, width = meta.num_seqs, meta.key_positions.shape[0]
+        every_row, positions = torch.arange(rows), meta.seq_lens - 1
+        mirror.key[every_row, :, positions] = key[:rows].to(mirror.key.dtype)
+        mirror.value[every_row, :, positions] = value[:rows].to(mirror.value.dtype)
+        mask = decode_key_mask(meta.key_positions, meta.seq_lens, layer)[:, None, None, :]
+        grouped = query[:rows].reshape(rows, layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim)
+        keys, values = mirror.key[:rows, :, :width], mirror.value[:rows, :, :width]
+        out = attention(grouped.to(keys.dtype), keys, values, mask, layer.scale, grouped_sinks(sinks, layer))
+        output[:rows] = out.reshape(rows, layer.num_heads, values.shape[-1]).to(query.dtype)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVLayerCache,
+        metadata: AttentionMetadata,
+        layer: AttentionLayerSpec,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(metadata.decode, MirroredDecodeMetadata):
+            return super().forward(query, key, value, cache, metadata, layer, sinks)
+        store_kv(cache, key, value, metadata.slot_mapping)
+        output = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        self._compiled_decode(query, key, value, cache, metadata.decode, layer, output, sinks)
+        return output
 
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         if self._index is None or slots is not self._index.slots:
@@ -211,13 +353,6 @@ class TorchCpuBackend(TorchReferenceBackend):
 
 def _decode_mask(meta: DecodeMetadata, layer: AttentionLayerSpec, width: int) -> torch.Tensor | None:
     """Which keys each decode row may see; None when every row sees all `width` of them."""
-    seq_lens = meta.seq_lens[:, None]
-    key_positions = torch.arange(width)[None, :]
-    if layer.sliding_window is None and layer.chunk_size is None and bool((seq_lens == width).all()):
+    if layer.sliding_window is None and layer.chunk_size is None and bool((meta.seq_lens == width).all()):
         return None
-    mask = key_positions < seq_lens
-    if layer.sliding_window is not None:
-        mask &= key_positions >= seq_lens - layer.sliding_window
-    if layer.chunk_size is not None:  # the new token's chunk starts here
-        mask &= key_positions >= (seq_lens - 1) // layer.chunk_size * layer.chunk_size
-    return mask[:, None, None, :]
+    return decode_key_mask(torch.arange(width), meta.seq_lens, layer)[:, None, None, :]

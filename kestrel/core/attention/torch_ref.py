@@ -105,11 +105,11 @@ def attention(
     softmax: a key whose score is the sink and whose value is zero (GPT-OSS's sinks)."""
     if sinks is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    length = keys.shape[-2]
-    bias = query.new_zeros((*query.shape[:-1], length + 1), dtype=torch.float32)
+    bias = query.new_zeros((*query.shape[:-1], keys.shape[-2]), dtype=torch.float32)
     if mask is not None:
-        bias[..., :length].masked_fill_(~mask, float("-inf"))
-    bias[..., length] = sinks.float()
+        bias = bias.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[..., None].expand(*query.shape[:-1], 1)
+    bias = torch.cat((bias, sink), dim=-1)
     zero = keys.new_zeros((*keys.shape[:-2], 1, keys.shape[-1]))
     keys, values = torch.cat((keys, zero), dim=-2), torch.cat((values, zero), dim=-2)
     bias = bias.to(query.dtype)
@@ -132,19 +132,25 @@ def _decode_attention(
 ) -> torch.Tensor:
     keys = gather_pages(cache.key, meta.page_table, query.dtype)
     values = gather_pages(cache.value, meta.page_table, query.dtype)
-    key_positions = torch.arange(keys.shape[2], device=query.device)
-    seq_lens = meta.seq_lens[:, None]
-    mask = key_positions[None, :] < seq_lens
-    if layer.sliding_window is not None:
-        mask &= key_positions[None, :] >= seq_lens - layer.sliding_window
-    if layer.chunk_size is not None:  # the new token's chunk starts here
-        mask &= key_positions[None, :] >= (seq_lens - 1) // layer.chunk_size * layer.chunk_size
+    mask = decode_key_mask(torch.arange(keys.shape[2], device=query.device), meta.seq_lens, layer)
     # The query heads sharing a KV head become that head's "query rows": one plain
     # attention per KV head, with no copy of K and V per query head.
     rows, group = query.shape[0], layer.num_heads // layer.num_kv_heads
     grouped = query.reshape(rows, layer.num_kv_heads, group, layer.head_dim)
     out = attention(grouped, keys, values, mask[:, None, None, :], layer.scale, grouped_sinks(sinks, layer))
     return out.reshape(rows, layer.num_heads, values.shape[-1])
+
+
+def decode_key_mask(key_positions: torch.Tensor, seq_lens: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+    """[rows, keys]: which of the keys at `key_positions` each decode row (the last token of a
+    sequence of `seq_lens` tokens) sees: its own sequence's, within the layer's window or chunk."""
+    key_positions, seq_lens = key_positions[None, :], seq_lens[:, None]
+    mask = key_positions < seq_lens
+    if layer.sliding_window is not None:
+        mask &= key_positions >= seq_lens - layer.sliding_window
+    if layer.chunk_size is not None:  # the new token's chunk starts here
+        mask &= key_positions >= (seq_lens - 1) // layer.chunk_size * layer.chunk_size
+    return mask
 
 
 def prefill_attention(

@@ -5,8 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+Outputs = TypeVar("Outputs")
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ class DeviceRuntime(ABC):
     """
 
     name: str
-    supports_graphs: bool = False
+    supports_graphs: bool = False  # whether `capture_step` works here
+    graphs_by_default: bool = False  # whether decode steps are captured unless asked not to be
 
     @property
     @abstractmethod
@@ -77,6 +81,11 @@ class DeviceRuntime(ABC):
         """Start copying `tensors` to the host behind the work queued so far; the host does
         not wait until `wait()` is called on the result."""
         return HostTransfer(tensors)
+
+    def capture_step(self, forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
+        """`forward` (a step reading its inputs from static buffers) as a graph: a callable that
+        runs the same step again, on whatever the buffers then hold, returning its outputs."""
+        raise NotImplementedError(f"the {self.name} runtime does not capture steps")
 
     def configure_process(self) -> None:
         """Process-wide settings this device wants before the first step; none by default."""

@@ -1,14 +1,16 @@
-"""The CPU runtime: eager execution, gloo collectives."""
+"""The CPU runtime: eager execution, decode steps compiled where asked, gloo collectives."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
+import warnings
+from collections.abc import Callable
 
 import torch
 
-from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo
+from kestrel.core.runtime.base import DeviceRuntime, MemoryInfo, Outputs
 
 # glibc mallopt parameters.
 M_TRIM_THRESHOLD = -1
@@ -20,7 +22,11 @@ CPU_WARM_UP_SEQS = 2
 
 class CpuRuntime(DeviceRuntime):
     name = "cpu"
-    supports_graphs = False
+    # A step's "graph" here is the step compiled by torch.compile (inductor): its norms,
+    # rotary, casts and KV appends fused into a few C++ loops instead of hundreds of small
+    # ops. Compiling takes tens of seconds, so it is asked for (`compilation_config`).
+    supports_graphs = True
+    graphs_by_default = False
 
     @property
     def device(self) -> torch.device:
@@ -45,6 +51,17 @@ class CpuRuntime(DeviceRuntime):
             if hasattr(libc, "mallopt"):
                 libc.mallopt(M_MMAP_THRESHOLD, KEEP_FREED_BYTES)
                 libc.mallopt(M_TRIM_THRESHOLD, 2 * KEEP_FREED_BYTES)
+
+    def capture_step(self, forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
+        """`forward` compiled whole (no graph breaks: a break would put Python back between
+        the pieces), compiled now by a first call."""
+        compiled = torch.compile(forward, fullgraph=True)
+        with warnings.catch_warnings():
+            # Dynamo traces through lru_cache'd helpers (rotary frequencies): pure functions of
+            # their arguments here, so tracing them computes what the cache would return.
+            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+            compiled()
+        return compiled
 
     def warm_up_size(self, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
         # Nothing compiles here and the KV budget is explicit, so the largest step would only

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kestrel.core.runtime.base import DeviceRuntime, HostTransfer, MemoryInfo
+from kestrel.core.runtime.base import DeviceRuntime, HostTransfer, MemoryInfo, Outputs
 
 
 class _CudaHostTransfer(HostTransfer):
@@ -28,11 +28,13 @@ class _CudaHostTransfer(HostTransfer):
 class CudaRuntime(DeviceRuntime):
     name = "cuda"
     supports_graphs = True
+    graphs_by_default = True
 
     def __init__(self, index: int = 0) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("device='cuda' was requested but no CUDA device is available")
         self._device = torch.device("cuda", index)
+        self._graph_pool: tuple[int, int] | None = None  # shared by every captured graph
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +63,27 @@ class CudaRuntime(DeviceRuntime):
 
     def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
         return _CudaHostTransfer(tensors)
+
+    def capture_step(self, forward: Callable[[], Outputs]) -> Callable[[], Outputs]:
+        """A CUDA graph of `forward`, in one memory pool shared with the runtime's other graphs
+        (capture the largest first, so the smaller ones fit in its memory)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()  # warm-up: compiles kernels, settles the allocator
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            outputs = forward()
+        torch.cuda.synchronize(self._device)
+
+        def replay() -> Outputs:
+            graph.replay()
+            return outputs
+
+        return replay
 
     def peak_bytes_during(self, run: Callable[[], None]) -> int:
         self.synchronize()

@@ -1,5 +1,6 @@
-"""CUDA graphs for decode steps: buckets captured largest first into one memory pool,
-padding to the bucket, and replay keyed by `GraphKey`.
+"""Decode steps as graphs: one per batch-size bucket, captured largest first, padding to the
+bucket, and replay keyed by `GraphKey`. What a graph is belongs to the runtime
+(`DeviceRuntime.capture_step`): a CUDA graph on CUDA, a compiled step on the CPU.
 
 This module owns only the token inputs (ids and positions). Every state group's binder
 supplies its own static metadata through the graph hooks of `StepBinder`, so any backend or
@@ -19,6 +20,7 @@ from torch import nn
 from kestrel.core.batch import BatchLayout, to_device
 from kestrel.core.forward import bind_groups
 from kestrel.core.graph import GraphKey, GraphPhase
+from kestrel.core.runtime.base import DeviceRuntime
 from kestrel.core.state import StateGroup
 from kestrel.core.workspace import Workspace
 
@@ -39,28 +41,41 @@ def graphs_supported(groups: Mapping[str, StateGroup]) -> bool:
     return all(group.binder.supports_graphs for group in groups.values())
 
 
+def check_compiles(groups: Mapping[str, StateGroup]) -> None:
+    """Refuse compiled steps, by name, for state groups whose binders do not trace into them."""
+    refusing = {name: type(group.binder).__name__ for name, group in groups.items() if not group.binder.compiles}
+    if refusing:
+        named = ", ".join(f"{name!r} (bound by {binder})" for name, binder in sorted(refusing.items()))
+        raise ValueError(
+            f"compilation_config: this model's state groups {named} do not join compiled steps yet; run it eagerly"
+        )
+
+
 class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,
         groups: Mapping[str, StateGroup],
         workspace: Workspace,
-        max_num_seqs: int,
+        runtime: DeviceRuntime,
+        buckets: Sequence[int],
         max_pages_per_seq: int,
     ) -> None:
+        """`buckets`: the batch sizes captured, ascending (`decode_buckets` on CUDA)."""
         if not graphs_supported(groups):
             refusing = sorted(name for name, group in groups.items() if not group.binder.supports_graphs)
             raise ValueError(f"state groups {refusing} cannot join captured graphs")
-        self.model, self.groups = model, groups
-        self.buckets = decode_buckets(max_num_seqs)
+        self.model, self.groups, self.runtime = model, groups, runtime
+        # Whether a verify chunk may run as one-token rows of its sequence (runner.py).
+        self.verify_rows = all(group.binder.graph_rows_see_each_other for group in groups.values())
+        self.buckets = list(buckets)
         largest = self.buckets[-1]
         workspace.reserve(_TOKEN_INPUTS, 2 * largest, torch.long)
         self.tokens = workspace.get(_TOKEN_INPUTS, (2, largest), torch.long)
         self.input_ids, self.positions = self.tokens
         for group in groups.values():
-            group.binder.prepare_capture(workspace, group.provider.scratch_id, largest, max_pages_per_seq)
-        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}  # hidden states, logits
+            group.binder.prepare_capture(workspace, group.provider, largest, max_pages_per_seq)
+        self._graphs: dict[GraphKey, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}  # hidden, logits
         self._last: tuple[torch.Tensor, int] | None = None  # the last replay's hidden states and rows
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,19 +85,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        for size in reversed(self.buckets):  # largest first, so smaller ones fit in its pool
-            key = GraphKey(GraphPhase.DECODE, size)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(size)  # warm-up: compiles kernels, settles the allocator
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[key] = self._forward(size)
-            self._graphs[key] = graph
-        torch.cuda.synchronize()
+        for size in reversed(self.buckets):  # largest first, so smaller ones fit in its memory
+            self._graphs[GraphKey(GraphPhase.DECODE, size)] = self.runtime.capture_step(
+                lambda size=size: self._forward(size)
+            )
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
@@ -108,9 +114,7 @@ class DecodeGraphs:
             group.binder.prepare_replay(layout, size)
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids[:count])
-        key = GraphKey(GraphPhase.DECODE, size)
-        self._graphs[key].replay()
-        hidden, logits = self._outputs[key]
+        hidden, logits = self._graphs[GraphKey(GraphPhase.DECODE, size)]()
         self._last = (hidden, count)
         return logits[:count]
 

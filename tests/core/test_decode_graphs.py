@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.core.cuda_graphs import decode_buckets
+from kestrel.core.decode_graphs import decode_buckets
 
 
 def test_buckets_cover_every_batch_size_up_to_the_limit():

@@ -1,0 +1,117 @@
+"""Decode steps compiled on the CPU (`compilation_config` mode 3): the same greedy tokens as
+Hugging Face, logprobs as close as eager steps get, through every way the mirrors the compiled
+steps read change: a batch that grows and shrinks, rows padded to the bucket, contexts that
+outgrow the mirrors' capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.compilation import CompilationConfig
+
+# Past the mirrors' first capacity (the longest row + 64 keys), so they are regathered.
+NEW_TOKENS = 90
+PROMPT_LENGTHS = (5, 40, 17)
+
+
+# GPT-OSS: sinks, sliding-window layers and experts (gathered per choice when compiled).
+@pytest.mark.parametrize("family", ["llama", "gpt-oss"])
+def test_compiled_decode_steps_match_hf(family, checkpoint_dir):
+    path = checkpoint_dir(family)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 500, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    # One bucket of 2 rows: a step of one row runs padded. Different lengths make
+    # the batch shrink as requests finish; the max_num_seqs of 2 makes the third join later.
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_num_seqs=2,
+        kv_cache_memory_gb=0.25,
+        compilation_config={"mode": 3, "compile_sizes": [2]},
+    )
+    runner = llm.engine.parts.runner
+    assert runner.graphs is not None and runner.graphs.buckets == [2]
+    lengths = (NEW_TOKENS, NEW_TOKENS // 2, NEW_TOKENS // 3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert runner.groups["kv"].binder._compiled.step > NEW_TOKENS  # the compiled steps ran
+    for prompt, output, length in zip(prompts, outputs, lengths):
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=length,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        expected = out.sequences[0, len(prompt) :].tolist()
+        completion = output.outputs[0]
+        assert completion.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        for position, (token, score) in enumerate(zip(expected, out.scores)):
+            want = float(score[0].log_softmax(-1)[token])
+            assert completion.logprobs[position][token].logprob == pytest.approx(want, abs=1e-4)
+
+
+def test_compiled_steps_with_speculation_keep_the_greedy_tokens(checkpoint_dir):
+    """Verify chunks run eagerly (a compiled row reads its own mirror row, which lacks the keys
+    its chunk's earlier rows store in the same step); plain decode steps stay compiled."""
+    path = str(checkpoint_dir("llama"))
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9] * 8}  # repeats: prompt lookup drafts plenty
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=0)
+    plain = LLM(path, dtype="float32", kv_cache_memory_gb=0.1).generate(prompt, params, use_tqdm=False)
+    speculative = LLM(
+        path,
+        dtype="float32",
+        kv_cache_memory_gb=0.1,
+        compilation_config={"mode": 3, "compile_sizes": [4]},  # a verify chunk of 4 rows would fit
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    got, want = speculative.generate(prompt, params, use_tqdm=False)[0].outputs[0], plain[0].outputs[0]
+    assert speculative.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert got.token_ids == want.token_ids
+    for position, token in enumerate(want.token_ids):  # this model repeats a token: logprobs tell
+        assert got.logprobs[position][token].logprob == pytest.approx(want.logprobs[position][token].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("value", "mode", "sizes"),
+    [
+        (3, 3, (1,)),
+        ("3", 3, (1,)),
+        ('{"mode": 3, "compile_sizes": [4, 1, 4]}', 3, (1, 4)),
+        ({"level": 0}, 0, (1,)),
+        ({}, 0, (1,)),
+    ],
+)
+def test_compilation_config_reads_vllm_spellings(value, mode, sizes):
+    config = CompilationConfig.parse(value)
+    assert (config.mode, config.compile_sizes) == (mode, sizes)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (1, "mode 1 is not supported"),
+        ({"mode": 3, "cudagraph_capture_sizes": [1]}, "unknown compilation_config fields: cudagraph_capture_sizes"),
+        ({"mode": 3, "compile_sizes": [0]}, "compile_sizes must be positive"),
+        ({"mode": 3, "level": 0}, "both mode and level"),
+        ("{mode: 3}", "not valid JSON"),
+    ],
+)
+def test_compilation_config_refuses_what_it_cannot_do(value, message):
+    with pytest.raises(ValueError, match=message):
+        CompilationConfig.parse(value)
+
+
+def test_models_whose_state_does_not_compile_are_refused_by_name(checkpoint_dir):
+    with pytest.raises(ValueError, match="state groups 'recurrent' .* do not join compiled steps"):
+        LLM(str(checkpoint_dir("qwen3-next")), compilation_config=3, kv_cache_memory_gb=0.05)
+
+
+def test_compiled_steps_and_eager_mode_are_not_asked_for_together(checkpoint_dir):
+    with pytest.raises(ValueError, match="enforce_eager asks for none"):
+        LLM(str(checkpoint_dir("llama")), enforce_eager=True, compilation_config=3, kv_cache_memory_gb=0.05)
