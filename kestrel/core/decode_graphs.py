@@ -91,6 +91,10 @@ class DecodeGraphs:
             )
 
     def bucket_for(self, num_seqs: int) -> int | None:
+        """The graph a step of `num_seqs` rows runs in: the smallest that fits it, or, where
+        the runtime does not pad graphs, one of exactly its size."""
+        if not self.runtime.pads_graphs:
+            return num_seqs if num_seqs in self.buckets else None
         return next((b for b in self.buckets if b >= num_seqs), None)
 
     def run(

@@ -38,6 +38,7 @@ def linear(
         and x.dtype in _ONEDNN_DTYPES
         and x.dim() == 2
         and x.shape[0] >= _ONEDNN_MIN_ROWS
+        and not torch.compiler.is_compiling()  # inductor lowers F.linear, not this op
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if _takes_gemv(x, use_gemv):

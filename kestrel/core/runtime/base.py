@@ -43,6 +43,9 @@ class DeviceRuntime(ABC):
     name: str
     supports_graphs: bool = False  # whether `capture_step` works here
     graphs_by_default: bool = False  # whether decode steps are captured unless asked not to be
+    # Whether a graph may run a smaller batch padded to its size: where padded rows cost
+    # little (a memory-bound GPU step), not where they cost their full arithmetic.
+    pads_graphs: bool = True
 
     @property
     @abstractmethod
