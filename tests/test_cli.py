@@ -37,6 +37,19 @@ def test_make_demo_model_then_generate(tmp_path):
     assert "prompt: 'Hello'" in run.stdout and "prompt: 'Bye'" in run.stdout
 
 
+def test_generate_with_compiled_decode_steps_matches_eager(checkpoint_dir):
+    """-O3 (vLLM's shorthand) compiles the decode steps of one row: the same greedy text."""
+    model = str(checkpoint_dir("llama"))
+    args = ("generate", "--model", model, "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0")
+    eager, compiled = kestrel(*args), kestrel(*args, "-O3")
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr
+    assert "compiling decode steps of [1] rows: done" in compiled.stderr
+    assert compiled.stdout == eager.stdout and "(12 tokens, length)" in eager.stdout
+    refused = kestrel(*args, "--compilation-config", '{"mode": 2}')
+    assert refused.returncode == 2 and "mode 2 is not supported" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
 def test_bad_model_path_is_a_clear_error_not_a_traceback(tmp_path):
     run = kestrel("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
     assert run.returncode == 2

@@ -59,6 +59,8 @@ class CompilationConfig:
         if "mode" in value and "level" in value and value["mode"] != value["level"]:
             raise ValueError("compilation_config gives both mode and level (its older name) with different values")
         mode = value.get("mode", value.get("level", NONE))
+        if "compile_sizes" in value and mode != COMPILED:
+            raise ValueError("compilation_config compile_sizes are the batch sizes mode 3 compiles; give mode 3 too")
         sizes = value.get("compile_sizes", DEFAULT_COMPILE_SIZES)
         if not isinstance(mode, int) or isinstance(mode, bool) or not isinstance(sizes, (list, tuple)):
             raise ValueError("compilation_config mode must be an integer and compile_sizes a list of integers")

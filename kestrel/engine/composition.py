@@ -462,22 +462,32 @@ def build_runner(
 def graph_buckets(args: EngineArgs, runtime: DeviceRuntime) -> list[int]:
     """The decode batch sizes captured as graphs: every bucket on CUDA unless eager is asked
     for; on the CPU, the sizes `compilation_config` compiles, if it asks."""
-    compilation = args.compilation_config
-    if compilation.compiles and runtime.graphs_by_default:
-        raise ValueError(
-            f"compilation_config mode {compilation.mode} compiles CPU steps; on {runtime.name} decode steps "
-            "are captured as CUDA graphs already (enforce_eager turns them off)"
-        )
-    if compilation.compiles and args.tensor_parallel_size > 1:
-        raise ValueError("compilation_config: compiled steps are not supported with tensor parallelism yet")
-    if compilation.compiles and args.enforce_eager:
-        raise ValueError("compilation_config mode 3 compiles steps, and enforce_eager asks for none: choose one")
-    if not runtime.supports_graphs or args.enforce_eager:
+    if args.compilation_config.compiles:
+        check_compilation(args, runtime)
+        return list(args.compilation_config.compile_sizes)
+    if not runtime.graphs_by_default or args.enforce_eager:
         return []
-    largest = min(args.max_num_seqs, MAX_GRAPH_BATCH)
-    if runtime.graphs_by_default:
-        return decode_buckets(largest)
-    return [size for size in compilation.compile_sizes if size <= largest] if compilation.compiles else []
+    return decode_buckets(min(args.max_num_seqs, MAX_GRAPH_BATCH))
+
+
+def check_compilation(args: EngineArgs, runtime: DeviceRuntime) -> None:
+    """Refuse, by what is wrong, a `compilation_config` that asks for compiled steps where
+    they cannot run as asked."""
+    mode, sizes = args.compilation_config.mode, args.compilation_config.compile_sizes
+    too_large = [size for size in sizes if size > args.max_num_seqs]
+    checks = [
+        (
+            runtime.supports_graphs and not runtime.graphs_by_default,
+            f"compilation_config mode {mode} compiles CPU steps; on {runtime.name} decode steps are captured "
+            "as CUDA graphs already (enforce_eager turns them off)",
+        ),
+        (args.tensor_parallel_size == 1, "compilation_config: compiled steps do not support tensor parallelism yet"),
+        (not args.enforce_eager, "compilation_config mode 3 compiles steps, and enforce_eager asks for none"),
+        (not too_large, f"compilation_config compile_sizes {too_large} exceed max_num_seqs ({args.max_num_seqs})"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 def build_tensor_parallel(args: EngineArgs) -> tuple[RankParts, TensorParallelExecutor]:

@@ -103,6 +103,7 @@ def test_compilation_config_reads_vllm_spellings(value, mode, sizes):
         ({"mode": 3, "compile_sizes": [0]}, "compile_sizes must be positive"),
         ({"mode": 3, "level": 0}, "both mode and level"),
         ("{mode: 3}", "not valid JSON"),
+        ({"compile_sizes": [4]}, "give mode 3 too"),
     ],
 )
 def test_compilation_config_refuses_what_it_cannot_do(value, message):
@@ -113,6 +114,12 @@ def test_compilation_config_refuses_what_it_cannot_do(value, message):
 def test_models_whose_state_does_not_compile_are_refused_by_name(checkpoint_dir):
     with pytest.raises(ValueError, match="state groups 'recurrent' .* do not join compiled steps"):
         LLM(str(checkpoint_dir("qwen3-next")), compilation_config=3, kv_cache_memory_gb=0.05)
+
+
+def test_compile_sizes_past_max_num_seqs_are_refused(checkpoint_dir):
+    config = {"mode": 3, "compile_sizes": [1, 8]}
+    with pytest.raises(ValueError, match=r"compile_sizes \[8\] exceed max_num_seqs \(4\)"):
+        LLM(str(checkpoint_dir("llama")), max_num_seqs=4, compilation_config=config, kv_cache_memory_gb=0.05)
 
 
 def test_compiled_steps_and_eager_mode_are_not_asked_for_together(checkpoint_dir):
