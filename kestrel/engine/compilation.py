@@ -9,10 +9,11 @@ counterpart of CUDA graphs (`core/runtime/cpu.py`); other steps stay eager. vLLM
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kestrel.engine import config_json
 
 NONE, COMPILED = 0, 3
 FIELDS = ("mode", "level", "compile_sizes")  # "level": vLLM's older name for "mode"
@@ -44,18 +45,12 @@ class CompilationConfig:
         """From a dict, its JSON text, or a bare mode (`-O3`); unknown fields are errors."""
         if isinstance(value, CompilationConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"compilation_config is not valid JSON: {error}") from None
+        value = config_json.loads(value, "compilation_config")
         if isinstance(value, int) and not isinstance(value, bool):
             return cls(mode=value)
         if not isinstance(value, Mapping):
             raise ValueError(f"compilation_config must be a JSON object or a mode, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"unknown compilation_config fields: {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+        config_json.check_fields(value, "compilation_config", FIELDS)
         if "mode" in value and "level" in value and value["mode"] != value["level"]:
             raise ValueError("compilation_config gives both mode and level (its older name) with different values")
         mode = value.get("mode", value.get("level", NONE))

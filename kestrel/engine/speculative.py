@@ -20,12 +20,13 @@ drafts as batched steps of its own; prompt lookup answers each request alone.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+from kestrel.engine import config_json
 
 METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's other method names: refused by name rather than run as something else.
@@ -68,16 +69,10 @@ class SpeculativeConfig:
         """From a dict or its JSON text; unknown fields and missing required ones are errors."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        value = config_json.loads(value, "speculative_config")
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"unknown speculative_config fields: {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+        config_json.check_fields(value, "speculative_config", FIELDS)
         fields = dict(value)
         for name in ("method", "num_speculative_tokens"):
             if fields.get(name) is None:
