@@ -132,8 +132,11 @@ class PagedAttentionBackend(AttentionBackend):
         return AttentionMetadata(phase=GraphPhase.DECODE, slot_mapping=slots, decode=decode, prefill=None)
 
     def prepare_replay(self, layout: BatchLayout, num_rows: int) -> None:
+        self._fill_graph_buffers(layout, num_rows)
+
+    def _fill_graph_buffers(self, layout: BatchLayout, num_rows: int) -> np.ndarray:
         """Padded rows decode into the scratch page and attend to it alone: one host array and
-        one copy for both vectors, one for the page table."""
+        one copy for both vectors, one for the page table, which is returned."""
         count = len(layout.chunks)
         vectors = np.empty((2, num_rows), dtype=np.int64)
         vectors[0] = self._scratch * self.page_size
@@ -143,6 +146,7 @@ class PagedAttentionBackend(AttentionBackend):
         table = layout.page_table(self.group, fill=self._scratch, num_rows=num_rows)
         self._graph_vectors[:, :num_rows].copy_(to_device(vectors, self.device))
         self._graph_page_table[:num_rows, : table.shape[1]].copy_(to_device(table, self.device))
+        return table
 
 
 _GRAPH_VECTORS = "attention.graph.slots_and_seq_lens"

@@ -224,9 +224,8 @@ class TorchCpuBackend(TorchReferenceBackend):
         return replace(metadata, decode=decode)
 
     def prepare_replay(self, layout: BatchLayout, num_rows: int) -> None:
-        super().prepare_replay(layout, num_rows)
+        table = self._fill_graph_buffers(layout, num_rows)
         self._step += 1
-        table = layout.page_table(self.group, fill=self._scratch, num_rows=num_rows)
         self._compiled.refresh(layout, torch.from_numpy(table), self._step)
 
     def _compiled_decode(
