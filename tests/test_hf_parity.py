@@ -21,10 +21,10 @@ def random_prompts(seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, 500, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
     out = model.generate(
         torch.tensor([prompt]),
-        max_new_tokens=NEW_TOKENS,
+        max_new_tokens=new_tokens,
         do_sample=False,
         output_scores=True,
         return_dict_in_generate=True,

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.compilation import CompilationConfig
+from tests.test_hf_parity import hf_greedy
 
 # Past the mirrors' first capacity (the longest row + 64 keys), so they are regathered.
 NEW_TOKENS = 90
@@ -44,18 +45,11 @@ def test_compiled_decode_steps_match_hf(family, checkpoint_dir):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert len(compiled_steps) >= NEW_TOKENS // 2 - 1  # while two requests decode together
     for prompt, output, length in zip(prompts, outputs, lengths):
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=length,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-        expected = out.sequences[0, len(prompt) :].tolist()
+        expected, scores = hf_greedy(hf, prompt, length)
         completion = output.outputs[0]
         assert completion.token_ids == expected, f"prompt of {len(prompt)} tokens"
-        for position, (token, score) in enumerate(zip(expected, out.scores)):
-            want = float(score[0].log_softmax(-1)[token])
+        for position, (token, score) in enumerate(zip(expected, scores)):
+            want = float(score[token])
             assert completion.logprobs[position][token].logprob == pytest.approx(want, abs=1e-4)
 
 
