@@ -2,9 +2,11 @@
 Llama-3-8B weight shape, as bytes read per second; which one `ops.linear` keeps; and, with
 --sweep, the matvec's best launch configurations from a wide grid. Then the fused matvecs
 (qkv with rotary, gate/up with SiLU-and-multiply) against the two kernels each replaces,
-with dependent launch on and off.
+with dependent launch on and off. With --int4, the 4-bit matvec (layers/int4_matmul.py) per
+decoder shape instead: its autotuned launch and a grid of launches, as 4-bit bytes read per
+second (codes, scales and zeros), beside the bf16 Triton matvec on the same shape.
 
-    python scripts/gemv_bench.py [--sweep]
+    python scripts/gemv_bench.py [--sweep | --int4]
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def tera_bytes_per_s(x: torch.Tensor, weights: list[torch.Tensor], matvec) -> fl
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time every configuration of a wide grid")
+    parser.add_argument("--int4", action="store_true", help="time the 4-bit matvec instead")
     args = parser.parse_args()
+    if args.int4:
+        return int4_matvecs()
     configs = sweep_configs() if args.sweep else []
     print(f"{'layer':<14}{'cuBLAS TB/s':>12}{'Triton TB/s':>12}  kept")
     for name, (n, k) in SHAPES.items():
@@ -62,6 +67,49 @@ def main() -> None:
         for rate, config in ranked[:5]:
             print(f"    {rate:.2f} TB/s  {config.kwargs} warps={config.num_warps} stages={config.num_stages}")
     fused_matvecs()
+
+
+def int4_matvecs() -> None:
+    from kestrel.layers import int4_matmul
+    from kestrel.layers.quantized import quantize_int4_cuda
+
+    def matvec(config=None):
+        def run(x, w):
+            if config is None:
+                return int4_matmul.int4_linear_cuda(x, w.codes, w.scales, w.zeros, w.group_size)
+            out = torch.empty((1, w.codes.shape[0]), dtype=x.dtype, device=x.device)
+            grid = (triton.cdiv(w.codes.shape[0], config.kwargs["BLOCK_N"]),)
+            int4_matmul.int4_gemv_kernel[grid](
+                x, w.codes, w.scales, w.zeros, out, out, w.codes.shape[0], x.shape[1], w.codes.stride(0),
+                w.scales.stride(0), GROUP=w.group_size, HAS_BIAS=False, DEPENDENT=False, **config.all_kwargs(),
+            )  # fmt: skip
+            return out
+
+        return run
+
+    grid = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
+        for n, k, warps in itertools.product([1, 2, 4, 8], [512, 1024, 2048, 4096], [4, 8])
+        if 1024 <= n * k <= 16384
+    ]
+    print(f"{'layer':<14}{'bf16 TB/s':>10}{'int4 TB/s':>10}  autotuned launch; best of the grid")
+    for name, (n, k) in list(SHAPES.items())[:-1]:  # the LM head stays bf16
+        dense = gemv._weights_beyond_cache(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        packed = quantize_int4_cuda(dense[0])
+        nbytes = sum(t.numel() * t.element_size() for t in (packed.codes, packed.scales, packed.zeros))
+        weights = [packed] + [
+            type(packed)(*(t.clone() for t in (packed.codes, packed.scales, packed.zeros))) for _ in dense[1:]
+        ]
+
+        def rate(run, x=x, weights=weights, nbytes=nbytes):
+            return nbytes / (gemv._milliseconds(x, weights, run) / gemv.TIMING_REPEATS) / 1e9
+
+        tuned = rate(matvec())
+        chosen = int4_matmul._tuned_gemv_kernel.best_config
+        ranked = sorted(((rate(matvec(c)), c) for c in grid), key=lambda pair: -pair[0])
+        best = ", ".join(f"{r:.2f} {c.kwargs} w{c.num_warps}" for r, c in ranked[:3])
+        print(f"{name:<14}{tera_bytes_per_s(x, dense, gemv._triton):>10.2f}{tuned:>10.2f}  {chosen}; {best}")
 
 
 def fused_matvecs() -> None:

@@ -24,6 +24,12 @@ from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_fo
 
 ZERO_POINT = 8
 GEMV_BLOCK_N, GEMV_BLOCK_K = 4, 1024
+# Launches the one-row kernel is timed over on the GPU, per weight shape, at its first call
+# (before any graph is captured): rows per program, columns per step, warps.
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
+    for block_n, block_k, warps in [(1, 2048, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 8), (8, 1024, 8)]
+]
 MATMUL_BLOCKS = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)
 
 
@@ -57,30 +63,44 @@ def int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
-    """out[n] = x . w[n] for BLOCK_N rows n, w widened from its codes in registers."""
+    """out[n] = x . w[n] for BLOCK_N rows n. The codes stay as [rows, words, 8] (no reshape,
+    which would move them through shared memory); per word, the dot of its 8 codes with x and
+    the sum of those 8 x values, so each group's scale and zero enter once per word:
+    sum((q - 8) * s + z) * x) = s * (q . x) + (z - 8 s) * sum(x)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    words = tl.arange(0, BLOCK_K // 8)
-    cols = tl.arange(0, BLOCK_K)
+    words = tl.arange(0, WORDS)
+    shifts = tl.arange(0, 8) * 4
+    row_codes = codes_ptr + rows[:, None] * stride_codes
+    row_groups = rows[:, None] * stride_groups
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # The first block of codes is requested before waiting for x (dependent_launch).
+    mask = in_rows[:, None] & (words < K // 8)[None, :]
+    packed = tl.load(row_codes + words[None, :], mask=mask, other=0)
     wait_for_inputs(DEPENDENT)
-    for start in range(0, K, BLOCK_K):
-        word_mask = in_rows[:, None] & ((start // 8 + words) < K // 8)[None, :]
-        packed = tl.load(
-            codes_ptr + rows[:, None] * stride_codes + start // 8 + words[None, :], mask=word_mask, other=0
-        )
-        codes = _unpack(packed, BLOCK_N, BLOCK_K, False).to(tl.float32)
-        columns = start + cols
-        in_cols = columns < K
-        group_offsets = rows[:, None] * stride_groups + (columns // GROUP)[None, :]
-        group_mask = in_rows[:, None] & in_cols[None, :]
-        scales = tl.load(scales_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
-        zeros = tl.load(zeros_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + columns, mask=in_cols, other=0.0).to(tl.float32)
-        acc += tl.sum(((codes - 8.0) * scales + zeros) * x[None, :], axis=1)
+    for start in range(0, K // 8, WORDS):
+        block = start + words
+        in_block = block < K // 8
+        x = tl.load(x_ptr + block[:, None] * 8 + tl.arange(0, 8)[None, :], mask=in_block[:, None], other=0.0)
+        x = x.to(tl.float32)
+        codes = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)
+        code_dots = tl.sum(codes * x[None, :, :], axis=2)  # [BLOCK_N, WORDS]
+        x_sums = tl.sum(x, axis=1)  # [WORDS]
+        groups = row_groups + (block * 8 // GROUP)[None, :]
+        mask = in_rows[:, None] & in_block[None, :]
+        scales = tl.load(scales_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        zeros = tl.load(zeros_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(scales * code_dots + (zeros - 8.0 * scales) * x_sums[None, :], axis=1)
+        following = block + WORDS
+        mask = in_rows[:, None] & (following < K // 8)[None, :]
+        packed = tl.load(row_codes + following[None, :], mask=mask, other=0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+_tuned_gemv_kernel = triton.autotune(configs=GEMV_CONFIGS, key=["N", "K"])(int4_gemv_kernel)
 
 
 @triton.jit
@@ -153,10 +173,14 @@ def int4_linear_cuda(
     common = dict(GROUP=group_size, HAS_BIAS=bias is not None, **dependent_launch_args(x.device))
     bias_arg = bias if bias is not None else out
     if rows == 1:
-        int4_gemv_kernel[(triton.cdiv(out_features, GEMV_BLOCK_N),)](
-            x, codes, scales, zeros, bias_arg, out, out_features, depth, codes.stride(0), scales.stride(0),
-            BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(depth)), **common,
-        )  # fmt: skip
+        args = (x, codes, scales, zeros, bias_arg, out, out_features, depth, codes.stride(0), scales.stride(0))
+        if x.is_cuda:
+            _tuned_gemv_kernel[lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]),)](*args, **common)
+        else:  # Triton's interpreter: one launch shape, no timing
+            block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(depth))
+            int4_gemv_kernel[(triton.cdiv(out_features, GEMV_BLOCK_N),)](
+                *args, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, **common
+            )
         return out
     blocks = MATMUL_BLOCKS
     grid = (triton.cdiv(rows, blocks["BLOCK_M"]), triton.cdiv(out_features, blocks["BLOCK_N"]))

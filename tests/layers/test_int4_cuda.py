@@ -31,11 +31,16 @@ def test_packing_keeps_every_code_and_the_grid_error_within_half_a_step():
     assert ((dequantized - weight).abs() <= 0.5 * steps * 1.02).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])  # the matvec, a small and a tall matmul tile
+@pytest.mark.parametrize(
+    "rows, in_features",
+    # The matvec over three groups in one block, and over 20 groups in three blocks, the last
+    # partial; a small and a tall matmul tile.
+    [(1, 384), (1, 2560), (5, 384), (40, 384)],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_kernels_multiply_by_the_dequantized_weight(rows, with_bias):
+def test_the_kernels_multiply_by_the_dequantized_weight(rows, in_features, with_bias):
     torch.manual_seed(rows)
-    out_features, in_features = 72, 384  # an output width no block divides, three groups
+    out_features = 72  # an output width no block divides
     weight = quantize_int4_cuda(torch.randn(out_features, in_features).to(DEVICE))
     x = torch.randn(rows, in_features, device=DEVICE)
     bias = torch.randn(out_features, device=DEVICE) if with_bias else None
