@@ -5,6 +5,9 @@ asks them (through `core.sampling.TokenMasks`) for the next allowed tokens once 
 a step's forward pass. Compiling a grammar against the vocabulary takes milliseconds to
 seconds, so it runs on a thread pool, cached by constraint; a request waits in the queue
 until its grammar is ready, while the others run.
+
+xgrammar is imported where it is first used, not with this module: it imports transformers,
+about 1.3 s that processes which never constrain an output (tensor-parallel workers) skip.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar
 
 from kestrel.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger("kestrel.engine")
 
@@ -40,6 +45,8 @@ class GrammarError(ValueError):
 def grammar_of(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     """The grammar a constraint stands for; raises GrammarError naming what is wrong.
     Needs no tokenizer, so the server checks requests with it before they reach the engine."""
+    import xgrammar  # on first use: it imports transformers (module docstring)
+
     # JSON may be laid out freely (models write it indented), but in runs of at most
     # MAX_JSON_WHITESPACE characters: unbounded, a small model can pad forever.
     layout = dict(any_whitespace=not spec.disable_any_whitespace)
@@ -131,6 +138,8 @@ class GrammarCache:
         return compiled
 
     def _vocabulary_compiler(self) -> xgrammar.GrammarCompiler:
+        import xgrammar  # on first use: it imports transformers (module docstring)
+
         with self._lock:
             if self._compiler is None:
                 info = xgrammar.TokenizerInfo.from_huggingface(
@@ -185,6 +194,8 @@ class StructuredOutputs:
 
     def is_ready(self, request_id: str) -> bool:
         """Whether the request may run: its grammar is compiled (or it has none)."""
+        import xgrammar  # on first use: it imports transformers (module docstring)
+
         constraint = self._constraints.get(request_id)
         if constraint is None or constraint.matcher is not None:
             return True
@@ -234,6 +245,8 @@ class StructuredOutputs:
     def fill(self, request_ids: Sequence[str], drafts: Mapping[str, Sequence[int]] | None = None) -> torch.Tensor:
         """One bitmask row per entry of `request_ids`. A request listed several times in a
         row has a verify chunk: its n-th row (from 0) is the mask after its first n drafts."""
+        import xgrammar  # on first use: it imports transformers (module docstring)
+
         start = time.perf_counter()
         bitmasks = xgrammar.allocate_token_bitmask(len(request_ids), self.grammars.vocab_size)
         advanced: dict[str, int] = {}  # drafts accepted into each matcher for this fill
