@@ -54,9 +54,18 @@ class EngineClient:
         self._process = context.Process(target=run_engine_core, args=(args, child_conn), name="kestrel-core")
         self._child_conn = child_conn
 
-    async def start(self) -> CoreReady:
+    def launch(self) -> None:
+        """Start the core process; it imports and loads the model while the caller goes on."""
         self._process.start()
         self._child_conn.close()
+
+    def kill(self) -> None:
+        """Stop a core that was launched but is no longer wanted (the server failed to start)."""
+        self._process.kill()
+        self._process.join()
+
+    async def wait_ready(self) -> CoreReady:
+        """Wait for the launched core's model to be loaded, then start reading its replies."""
         loop = asyncio.get_running_loop()
         ready = await loop.run_in_executor(None, self._wait_ready)
         loop.add_reader(self._conn.fileno(), self._on_readable)

@@ -92,11 +92,18 @@ def read_chat_template(template: str) -> str:
 
 
 async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> None:
-    tokenizer = load_front_end_tokenizer(engine_args)
-    if args.chat_template is not None:
-        tokenizer.chat_template = read_chat_template(args.chat_template)
     client = EngineClient(engine_args)
-    ready = await client.start()
+    # The core process loads the model while this one loads its tokenizer (seconds each, in
+    # transformers' imports alone).
+    client.launch()
+    try:
+        tokenizer = load_front_end_tokenizer(engine_args)
+        if args.chat_template is not None:
+            tokenizer.chat_template = read_chat_template(args.chat_template)
+    except BaseException:
+        client.kill()
+        raise
+    ready = await client.wait_ready()
     names = tuple(args.served_model_name or [args.model])
     settings = ServerSettings(
         served_model_name=names[0],
