@@ -248,13 +248,15 @@ def test_a_dead_instance_fails_requests_clearly(server_model):
 
 def test_a_hybrid_model_hands_over_its_recurrent_state(checkpoint_dir):
     model = checkpoint_dir("qwen3-next")
-    single = ServerProcess(model, *COMMON)
     prefill = ServerProcess(model, *COMMON, "--kv-role", "prefill")
     decode = ServerProcess(model, *COMMON, "--kv-role", "decode")
     router = RouterProcess([prefill.base_url], [decode.base_url])
     try:
         for prompt in (list(range(3, 60)), "a short one"):
-            assert completion_tokens(router.client(), prompt)[0] == completion_tokens(direct(single), prompt)[0]
+            # One instance's answer: a request without kv_transfer_params runs whole where it lands.
+            expected = completion_tokens(direct(prefill), prompt)[0]
+            assert completion_tokens(router.client(), prompt)[0] == expected
+        assert prefill.metric("kv_transfer_sent_bytes_total") > 0  # the router's requests were handed over
         assert decode.metric("kv_cache_used_pages") == 0 and prefill.metric("kv_transfer_pending") == 0
     finally:
-        stop_together(router, single, prefill, decode)
+        stop_together(router, prefill, decode)
