@@ -273,6 +273,37 @@ def add_mtp_head(source: Path, directory: Path, seed: int = 1) -> Path:
     return directory
 
 
+def add_deepseek_mtp_layer(source: Path, directory: Path, seed: int = 1) -> Path:
+    """A copy of a DeepSeek-V3 checkpoint with a multi-token-prediction layer appended after
+    its decoder layers (`model.layers.<num_hidden_layers>.*`), as V3 releases carry one:
+    transformers neither writes nor reads it. Its attention and MLP start as a copy of the last
+    layer's; its own embeddings and LM head copy the model's; the norms and projection are random."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = load_file(directory / "model.safetensors")
+    last, head = config["num_hidden_layers"] - 1, f"model.layers.{config['num_hidden_layers']}."
+    generator = torch.Generator().manual_seed(seed)
+    hidden = config["hidden_size"]
+    for name, tensor in list(tensors.items()):
+        if name.startswith(f"model.layers.{last}."):
+            noise = 0.05 * torch.randn(tensor.shape, generator=generator)
+            tensors[head + name.removeprefix(f"model.layers.{last}.")] = tensor + noise
+    tensors[head + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[head + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[head + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=generator)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{head}{norm}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
 FP8_MAX = 448.0  # the largest float8 e4m3 value
 
 

@@ -125,13 +125,22 @@ class WeightBindings:
         self._loaded[param_name].add(shard_id)
 
     def missing(self) -> list[str]:
+        """Parameters no checkpoint tensor filled, named as the checkpoint would name them
+        (renamed prefixes undone)."""
         result = []
         for name in self._params:
             owner = self._owners[name]
             required = owner.shard_ids() if isinstance(owner, ShardedModule) else frozenset({None})
             absent = set(required) - self._loaded[name]
-            result.extend(name if shard is None else f"{name}[{shard}]" for shard in sorted(absent, key=str))
+            stored = self._stored_name(name)
+            result.extend(stored if shard is None else f"{stored}[{shard}]" for shard in sorted(absent, key=str))
         return result
+
+    def _stored_name(self, name: str) -> str:
+        for old, new in self._renamed.items():
+            if name.startswith(new):
+                return old + name.removeprefix(new)
+        return name
 
     def finish(self) -> None:
         """Raise if any parameter was left unbound or any checkpoint tensor had no slot."""

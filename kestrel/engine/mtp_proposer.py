@@ -25,7 +25,7 @@ from kestrel.engine.draft_model import GREEDY, DraftModelProposer, FedPrefix, re
 from kestrel.engine.speculative import DraftAsk
 
 if TYPE_CHECKING:  # the model modules import Triton kernels: not on the server's request path
-    from kestrel.models.mtp import MtpForCausalLM
+    from kestrel.models.mtp import MtpDraft
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class MtpProposer(DraftModelProposer):
         kv: PagedKVProvider,
         max_model_len: int,
         max_batch_tokens: int,
-        head: MtpForCausalLM,
+        head: MtpDraft,
     ) -> None:
         super().__init__(runner, kv, max_model_len, max_batch_tokens)
         self.head = head

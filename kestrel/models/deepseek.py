@@ -34,8 +34,9 @@ from torch import nn
 from kestrel.core.forward import ForwardContext
 from kestrel.core.layer_spec import LayerSpec
 from kestrel.core.parallel import SINGLE, TensorParallel
-from kestrel.core.weight_bindings import SkippedPrefix, WeightBindings
+from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
 from kestrel.layers import ops
+from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice
 from kestrel.layers.moe import EXPERT_PROJECTIONS, SparseMoe, expert_mappings
 from kestrel.layers.norm import RMSNorm
@@ -51,6 +52,7 @@ from kestrel.models.dense import (
     read_rope,
 )
 from kestrel.models.llama4 import paired_to_halves
+from kestrel.models.mtp import MtpDraft
 from kestrel.models.spec import DecoderSpec, MoeSpec
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
@@ -87,6 +89,7 @@ class DeepseekSpec(DecoderSpec):
     routing: RoutingConfig
     shared_experts: int
     mtp_layers: int = 0  # multi-token-prediction layers the checkpoint appends after the decoder's
+    first_mtp_layer: int = 0  # the checkpoint index of the first: the target's num_hidden_layers
 
     def _layer_spec(self, index: int) -> LayerSpec:
         return dataclasses.replace(super()._layer_spec(index), latent_dim=self.mla.kv_lora_rank)
@@ -305,6 +308,7 @@ class DeepseekRecipe:
             routing=self._routing(hf_config),
             shared_experts=hf_config.n_shared_experts or 0,
             mtp_layers=getattr(hf_config, "num_nextn_predict_layers", None) or 0,
+            first_mtp_layer=spec.num_layers,
         )
 
     def _routing(self, hf_config: object) -> RoutingConfig:
@@ -333,13 +337,69 @@ class DeepseekRecipe:
         return DecoderForCausalLM(spec, parallel, DeepseekDecoderLayer)
 
     def bindings(self, model: nn.Module, spec: DeepseekSpec) -> WeightBindings:
-        experts = tuple(expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS))
         # V3 releases append their multi-token-prediction layers after the decoder's.
         mtp = tuple(
-            SkippedPrefix(f"model.layers.{spec.num_layers + i}.", "multi-token prediction (not run for DeepSeek yet)")
+            SkippedPrefix(f"model.layers.{spec.first_mtp_layer + i}.", "multi-token prediction (the 'mtp' draft's)")
             for i in range(spec.mtp_layers)
         )
-        return decoder_bindings(model, spec, experts, skipped=mtp, mappings=MLP_MAPPINGS)
+        return decoder_bindings(model, spec, self._experts(spec), skipped=mtp, mappings=MLP_MAPPINGS)
+
+    def build_mtp(self, spec: DeepseekSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
+        """The checkpoint's MTP layer as speculative decoding's draft (models/mtp.py)."""
+        return DeepseekMtpForCausalLM(spec, parallel)
+
+    def mtp_bindings(self, model: nn.Module, spec: DeepseekSpec) -> WeightBindings:
+        """The MTP layer's tensors, `model.layers.<first_mtp_layer>.*`, bound to the draft's `mtp.`;
+        the target's layers, embeddings, norm and LM head skipped (the layer has its own)."""
+        mtp_prefix = f"model.layers.{spec.first_mtp_layer}."
+        target = "the target model's (the MTP layer carries its own)"
+        skipped = (
+            *(SkippedPrefix(f"model.layers.{i}.", "the target model's layers") for i in range(spec.first_mtp_layer)),
+            SkippedPrefix("model.embed_tokens.", f"embeddings: {target}"),
+            SkippedPrefix("model.norm.", "the target model's final norm"),
+            SkippedPrefix("lm_head.", f"LM head: {target}"),
+        )
+        mappings = self._experts(spec) + MLP_MAPPINGS
+        return WeightBindings(model, mappings, skipped=skipped, renamed_prefixes={mtp_prefix: "mtp."})
+
+    @staticmethod
+    def _experts(spec: DeepseekSpec) -> tuple[PackedMapping, ...]:
+        return tuple(expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS)) if spec.moe else ()
+
+
+class DeepseekMtpLayer(DeepseekDecoderLayer):
+    """A multi-token-prediction layer as DeepSeek-V3 stores it: a decoder layer with the head's
+    own parts beside its attention and MLP (its embeddings, input norms and projection, and a
+    final norm with an LM head)."""
+
+    def __init__(self, spec: DeepseekSpec, parallel: TensorParallel) -> None:
+        super().__init__(spec, 0, parallel)
+        hidden = spec.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, hidden, parallel)
+        self.enorm = RMSNorm(hidden, spec.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, spec.rms_norm_eps)
+        self.eh_proj = Linear(2 * hidden, hidden)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, spec.rms_norm_eps)
+        rows = {None: vocab_rows(spec.vocab_size, parallel)}
+        self.shared_head.head = ColumnParallelLinear(hidden, rows, quantizable=False)
+
+
+class DeepseekMtpForCausalLM(MtpDraft):
+    """DeepSeek's layout of the MTP draft (models/mtp.py)."""
+
+    def __init__(self, spec: DeepseekSpec, parallel: TensorParallel = SINGLE) -> None:
+        super().__init__(spec, parallel)
+        self.mtp = DeepseekMtpLayer(spec, parallel)
+
+    # The parts `MtpDraft` computes with, by their names in this layout.
+    embed = property(lambda self: self.mtp.embed_tokens)
+    embedding_norm = property(lambda self: self.mtp.enorm)
+    hidden_norm = property(lambda self: self.mtp.hnorm)
+    projection = property(lambda self: self.mtp.eh_proj)
+    layer = property(lambda self: self.mtp)
+    final_norm = property(lambda self: self.mtp.shared_head.norm)
+    matvec_weight = property(lambda self: self.mtp.shared_head.head.weight)
 
 
 class DeepseekV2Recipe(DeepseekRecipe):

@@ -1,12 +1,18 @@
-"""Multi-token prediction (MTP) heads, as Qwen3-Next and Qwen3.5 checkpoints carry them under
-`mtp.*`: speculative decoding's `mtp` method runs them as a draft model.
+"""Multi-token prediction (MTP) heads: speculative decoding's `mtp` method runs them as a
+draft model. Qwen3-Next and Qwen3.5 checkpoints carry one under `mtp.*`; DeepSeek-V3 releases
+append theirs after the decoder's layers (`model.layers.<num_hidden_layers>.*`).
 
 Row i of the head takes the target model's final hidden state at position i and the token at
 position i + 1, and predicts the token at i + 2:
 
-    h = fc([norm_e(embed(token[i + 1])), norm_h(target_hidden[i])])
-    h = one full-attention decoder layer (h), attending to the head's own earlier rows
+    h = project([norm_e(embed(token[i + 1])), norm_h(target_hidden[i])])
+    h = one decoder layer of the target's kind (h), attending to the head's own earlier rows
     logits = lm_head(norm(h))
+
+The two layouts differ in names and parts, not in arithmetic (`MtpDraft` holds it): Qwen's
+head shares the target's embeddings and LM head and uses offset norms; DeepSeek's layer
+carries its own copies (`embed_tokens`, `shared_head.head`) and plain RMS norms. A chained
+draft's hidden state is the head's normed output, as SGLang chains both.
 
 The head keeps its own KV (one attention layer) in its own pool. Its second input, the
 hidden states, does not fit the `forward(input_ids, positions, context)` contract, so the head
@@ -38,23 +44,61 @@ TARGET_NORM = SkippedPrefix("model.norm.", "the target model's final norm")
 
 
 def mtp_spec(target: DecoderSpec, hf_config: object) -> DecoderSpec:
-    """The head's spec: the target's, with its MTP layers (full attention) as the only layers."""
+    """The head's spec: the target's, with its MTP layer as the only layer, an MoE layer where
+    the target's layer at that index would be one (DeepSeek's first layers are dense)."""
     num_layers = getattr(hf_config, "mtp_num_hidden_layers", None) or getattr(hf_config, "num_nextn_predict_layers", 0)
     if num_layers != 1:
         raise ValueError(
             f"{target.architecture}: speculative decoding's 'mtp' method needs one multi-token prediction "
-            f"layer in the config (mtp_num_hidden_layers), got {num_layers}"
+            f"layer in the config (mtp_num_hidden_layers or num_nextn_predict_layers), got {num_layers}"
         )
     if getattr(hf_config, "mtp_use_dedicated_embeddings", False):
         raise ValueError(f"{target.architecture}: MTP layers with dedicated embeddings are not supported yet")
+    sparse = target.is_moe_layer(target.num_layers)
     return dataclasses.replace(
         target,
         architecture=f"{target.architecture}MTP",
         num_layers=1,
         layer_types=(FULL_ATTENTION,),
         layers=(),  # rebuilt for the one layer
-        moe=target.moe and dataclasses.replace(target.moe, sparse_step=1, dense_layers=()),
+        moe=dataclasses.replace(target.moe, sparse_step=1, dense_layers=()) if sparse else None,
     )
+
+
+class MtpDraft(nn.Module):
+    """The head's arithmetic (module docstring); a layout names its parts: `embed`,
+    `embedding_norm`, `hidden_norm`, `projection`, `layer`, `final_norm`, `matvec_weight`."""
+
+    use_gemv = False  # for the LM head, as `Linear.use_gemv`
+
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel) -> None:
+        super().__init__()
+        if parallel.size > 1:
+            raise ValueError("the MTP draft runs with tensor_parallel_size 1 only so far")
+        self.spec, self.parallel = spec, parallel
+        self.hidden_input: torch.Tensor | None = None
+        self.hidden_output: torch.Tensor | None = None
+
+    def allocate_hidden_buffers(self, max_rows: int) -> None:
+        """The two hidden-state buffers, `max_rows` rows each (a step's token budget)."""
+        weight = self.projection.weight
+        self.hidden_input = torch.zeros(max_rows, self.spec.hidden_size, dtype=weight.dtype, device=weight.device)
+        self.hidden_output = torch.zeros_like(self.hidden_input)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        embedded = self.embedding_norm(self.embed(input_ids))
+        target_hidden = self.hidden_norm(self.hidden_input[:rows])
+        hidden = self.projection(torch.cat([embedded, target_hidden], dim=-1))
+        rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.rotary_dim, hidden.dtype)
+        hidden, residual = self.layer(hidden, None, rotary, context)
+        hidden = self.final_norm(hidden, residual)[0]
+        self.hidden_output[:rows].copy_(hidden)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = ops.linear(hidden, self.matvec_weight, use_gemv=self.use_gemv)
+        return logits[:, : self.spec.vocab_size].float()
 
 
 class MtpHead(nn.Module):
@@ -76,53 +120,34 @@ class _Embeddings(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, parallel)
 
 
-class MtpForCausalLM(nn.Module):
-    use_gemv = False  # for the LM head, as `Linear.use_gemv`
+class MtpForCausalLM(MtpDraft):
+    """Qwen's layout: `mtp.*`, with the target's embeddings and LM head."""
 
     def __init__(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        if parallel.size > 1:
-            raise ValueError("the MTP draft runs with tensor_parallel_size 1 only so far")
-        self.spec, self.parallel = spec, parallel
+        super().__init__(spec, parallel)
         self.model = _Embeddings(spec, parallel)
         self.mtp = MtpHead(spec, parallel)
         rows = {None: vocab_rows(spec.vocab_size, parallel)}
         self.lm_head = (
             None if spec.tie_word_embeddings else ColumnParallelLinear(spec.hidden_size, rows, quantizable=False)
         )
-        self.hidden_input: torch.Tensor | None = None
-        self.hidden_output: torch.Tensor | None = None
 
-    def allocate_hidden_buffers(self, max_rows: int) -> None:
-        """The two hidden-state buffers, `max_rows` rows each (a step's token budget)."""
-        weight = self.mtp.fc.weight
-        self.hidden_input = torch.zeros(max_rows, self.spec.hidden_size, dtype=weight.dtype, device=weight.device)
-        self.hidden_output = torch.zeros_like(self.hidden_input)
+    # The parts `MtpDraft` computes with, by their names in this layout.
+    embed = property(lambda self: self.model.embed_tokens)
+    embedding_norm = property(lambda self: self.mtp.pre_fc_norm_embedding)
+    hidden_norm = property(lambda self: self.mtp.pre_fc_norm_hidden)
+    projection = property(lambda self: self.mtp.fc)
+    layer = property(lambda self: self.mtp.layers[0])
+    final_norm = property(lambda self: self.mtp.norm)
 
     @property
     def matvec_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        rows = input_ids.shape[0]
-        mtp = self.mtp
-        embedded = mtp.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
-        target_hidden = mtp.pre_fc_norm_hidden(self.hidden_input[:rows])
-        hidden = mtp.fc(torch.cat([embedded, target_hidden], dim=-1))
-        rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.rotary_dim, hidden.dtype)
-        hidden, residual = mtp.layers[0](hidden, None, rotary, context)
-        hidden = mtp.norm(hidden, residual)[0]
-        self.hidden_output[:rows].copy_(hidden)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(hidden, self.matvec_weight, use_gemv=self.use_gemv)
-        return logits[:, : self.spec.vocab_size].float()
-
 
 class MtpRecipe:
-    """The MTP draft of a Qwen3-Next / Qwen3.5 checkpoint: the target's recipe reads the config
-    and names the experts; this one keeps the head and the embeddings it shares."""
+    """The MTP draft of a checkpoint: the target's recipe reads the config and names the
+    experts; it also builds the head in its layout and binds it (`build_mtp`, `mtp_bindings`)."""
 
     def __init__(self, target_recipe: object) -> None:
         self.target = target_recipe
@@ -132,9 +157,14 @@ class MtpRecipe:
         return mtp_spec(self.target.spec(hf_config), hf_config)
 
     def build(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
-        return MtpForCausalLM(spec, parallel)
+        return self.target.build_mtp(spec, parallel)
 
     def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
-        bindings = self.target.bindings(model, spec)
-        bindings.skip_instead(MTP_HEADS.prefix, (TARGET_LAYERS, TARGET_NORM))
-        return bindings
+        return self.target.mtp_bindings(model, spec)
+
+
+def qwen_mtp_bindings(target_recipe: object, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
+    """Qwen's layout: the target's bindings, with `mtp.*` bound and the target's layers skipped."""
+    bindings = target_recipe.bindings(model, spec)
+    bindings.skip_instead(MTP_HEADS.prefix, (TARGET_LAYERS, TARGET_NORM))
+    return bindings

@@ -53,6 +53,17 @@ class HybridRecipe:
     def bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
         return hybrid_bindings(model, spec)
 
+    def build_mtp(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
+        """The `mtp.*` head as speculative decoding's draft (models/mtp.py)."""
+        from kestrel.models.mtp import MtpForCausalLM
+
+        return MtpForCausalLM(spec, parallel)
+
+    def mtp_bindings(self, model: nn.Module, spec: DecoderSpec) -> WeightBindings:
+        from kestrel.models.mtp import qwen_mtp_bindings
+
+        return qwen_mtp_bindings(self, model, spec)
+
 
 VISION_TOWER = SkippedPrefix("model.visual.", "the vision tower (Kestrel serves the text model)")
 LANGUAGE_MODEL = {"model.language_model.": "model."}

@@ -28,8 +28,10 @@ _RECIPES: dict[str, str] = {
 }
 
 
-# Architectures whose checkpoints carry `mtp.*` heads Kestrel runs (models/mtp.py).
+# Architectures whose checkpoints carry multi-token-prediction layers Kestrel runs
+# (models/mtp.py; their recipes build and bind the head).
 MTP_ARCHITECTURES = (
+    "DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",

@@ -454,6 +454,13 @@ def mtp_checkpoint(checkpoint_dir, tmp_path_factory):
     return add_mtp_head(checkpoint_dir("qwen3-next"), tmp_path_factory.mktemp("qwen3-next-mtp"))
 
 
+@pytest.fixture(scope="module")
+def deepseek_mtp_checkpoint(checkpoint_dir, tmp_path_factory):
+    from tests.checkpoints import add_deepseek_mtp_layer
+
+    return add_deepseek_mtp_layer(checkpoint_dir("deepseek-v3"), tmp_path_factory.mktemp("deepseek-v3-mtp"))
+
+
 def hf_layer_state(tensors: dict) -> dict:
     """A checkpoint layer's tensors as transformers' module holds them: experts stacked."""
     state = {k: v for k, v in tensors.items() if not k.startswith(("mlp.experts.", "mtp.", "model.", "lm_head"))}
@@ -498,9 +505,52 @@ def reference_mtp_drafts(path, token_ids: list[int], num_drafts: int) -> list[in
     return drafts
 
 
-def test_mtp_head_drafts_what_transformers_modules_compute(mtp_checkpoint):
+def reference_deepseek_mtp_drafts(path, token_ids: list[int], num_drafts: int) -> list[int]:
+    """As `reference_mtp_drafts`, for DeepSeek-V3's layout: the MTP layer stored after the
+    decoder's, with its own embeddings, plain RMS norms and LM head, built from transformers'
+    DeepSeek-V3 decoder layer at that index (an MoE layer here, as in the releases)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    config = AutoConfig.from_pretrained(path)
+    config._attn_implementation = "sdpa"  # causal without a mask
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    own = {k.removeprefix(prefix): v for k, v in load_file(f"{path}/model.safetensors").items() if k.startswith(prefix)}
+    head_parts = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+    layer = hf.DeepseekV3DecoderLayer(config, config.num_hidden_layers).eval()
+    layer.load_state_dict(hf_layer_state({k: v for k, v in own.items() if not k.startswith(head_parts)}))
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = hf.DeepseekV3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norms[name].load_state_dict({"weight": own[f"{name}.weight"]})
+    rotary = hf.DeepseekV3RotaryEmbedding(config)
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([token_ids])).last_hidden_state[0, :-1]  # rows 0 .. L-2
+        tokens = list(token_ids[1:])
+        drafts = []
+        for _ in range(num_drafts):
+            embedded = own["embed_tokens.weight"][torch.tensor(tokens)]
+            mixed = torch.cat([norms["enorm"](embedded), norms["hnorm"](hidden)], -1)
+            rows = (mixed @ own["eh_proj.weight"].T)[None]
+            positions = torch.arange(rows.shape[1])[None]
+            out = layer(rows, position_embeddings=rotary(rows, positions), position_ids=positions)
+            out = norms["shared_head.norm"](out)[0]
+            drafts.append(int((out[-1] @ own["shared_head.head.weight"].T).argmax()))
+            hidden, tokens = torch.cat([hidden, out[-1:]]), tokens + [drafts[-1]]
+    return drafts
+
+
+@pytest.mark.parametrize(
+    "checkpoint, reference",
+    [("mtp_checkpoint", reference_mtp_drafts), ("deepseek_mtp_checkpoint", reference_deepseek_mtp_drafts)],
+    ids=["qwen3-next", "deepseek-v3"],
+)
+def test_mtp_head_drafts_what_transformers_modules_compute(checkpoint, reference, request):
     """Every draft the head proposes, over prompts fed in parts, verify outcomes and chains,
-    equals a one-pass reference built from transformers' Qwen3-Next modules."""
+    equals a one-pass reference built from transformers' modules of the family."""
+    mtp_checkpoint = request.getfixturevalue(checkpoint)
     llm = LLM(str(mtp_checkpoint), device="cpu", max_num_batched_tokens=24, page_size=8, speculative_config=MTP)
     proposals = []
     proposer = llm.engine.speculation.proposer
@@ -517,20 +567,26 @@ def test_mtp_head_drafts_what_transformers_modules_compute(mtp_checkpoint):
     assert_same_outputs(generate(llm, batch, PARAMS[:3]), expected)
     assert len(proposals) > 10
     for token_ids, drafts in proposals[::3]:
-        assert list(drafts) == reference_mtp_drafts(mtp_checkpoint, token_ids, len(drafts)), token_ids
+        assert list(drafts) == reference(mtp_checkpoint, token_ids, len(drafts)), token_ids
     assert_pool_balanced(llm)
     assert_draft_pool_empty(llm)
 
 
 def test_mtp_is_refused_for_a_model_without_a_head(checkpoint_dir):
-    with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers or num_nextn_predict_layers"):
         LLM(str(checkpoint_dir("qwen3-next")), device="cpu", speculative_config=MTP)
+    # transformers' DeepSeek-V3 config declares one MTP layer by default; this checkpoint has none.
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: model\.layers\.3\.input_layernorm"):
+        LLM(str(checkpoint_dir("deepseek-v3")), device="cpu", speculative_config=MTP)
+    with pytest.raises(ValueError, match="'mtp' method runs the MTP layers"):
+        LLM(str(checkpoint_dir("deepseek-v2")), device="cpu", speculative_config=MTP)
     with pytest.raises(ValueError, match="'mtp' method runs the MTP layers"):
         LLM(str(checkpoint_dir("qwen3")), device="cpu", speculative_config=MTP)
 
 
-def test_mtp_under_preemption_keeps_outputs_and_frees_everything(mtp_checkpoint):
-    tight, preemptions = run_in_a_tight_pool(str(mtp_checkpoint), MTP, 18)
+@pytest.mark.parametrize("checkpoint", ["mtp_checkpoint", "deepseek_mtp_checkpoint"])
+def test_mtp_under_preemption_keeps_outputs_and_frees_everything(checkpoint, request):
+    tight, preemptions = run_in_a_tight_pool(str(request.getfixturevalue(checkpoint)), MTP, 18)
     assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
     assert tight.engine.parts.kv.prefix_cache is None  # turned off for the head, with a warning
     assert_pool_balanced(tight)
