@@ -63,38 +63,37 @@ def int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
-    """out[n] = x . w[n] for BLOCK_N rows n. The codes stay as [rows, words, 8] (no reshape,
-    which would move them through shared memory); per word, the dot of its 8 codes with x and
-    the sum of those 8 x values, so each group's scale and zero enter once per word:
-    sum((q - 8) * s + z) * x) = s * (q . x) + (z - 8 s) * sum(x)."""
+    """out[n] = x . w[n] for BLOCK_N rows n. Every tile stays [rows, words]: nibble j of each
+    word meets x at column 8 word + j, eight times over (a [rows, words, 8] tile would spread
+    one word's nibbles over threads that each load it); each group's scale and zero then enter
+    once per word: sum(((q - 8) s + z) x) = s (q . x) + (z - 8 s) sum(x)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
     words = tl.arange(0, WORDS)
-    shifts = tl.arange(0, 8) * 4
     row_codes = codes_ptr + rows[:, None] * stride_codes
     row_groups = rows[:, None] * stride_groups
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # The first block of codes is requested before waiting for x (dependent_launch).
-    mask = in_rows[:, None] & (words < K // 8)[None, :]
-    packed = tl.load(row_codes + words[None, :], mask=mask, other=0)
+    packed = tl.load(row_codes + words[None, :], mask=in_rows[:, None] & (words < K // 8)[None, :], other=0)
     wait_for_inputs(DEPENDENT)
     for start in range(0, K // 8, WORDS):
         block = start + words
         in_block = block < K // 8
-        x = tl.load(x_ptr + block[:, None] * 8 + tl.arange(0, 8)[None, :], mask=in_block[:, None], other=0.0)
-        x = x.to(tl.float32)
-        codes = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)
-        code_dots = tl.sum(codes * x[None, :, :], axis=2)  # [BLOCK_N, WORDS]
-        x_sums = tl.sum(x, axis=1)  # [WORDS]
+        code_dots = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        x_sums = tl.zeros((WORDS,), dtype=tl.float32)
+        for nibble in tl.static_range(8):
+            x = tl.load(x_ptr + block * 8 + nibble, mask=in_block, other=0.0).to(tl.float32)
+            codes = ((packed >> (4 * nibble)) & 0xF).to(tl.float32)
+            code_dots += codes * x[None, :]
+            x_sums += x
         groups = row_groups + (block * 8 // GROUP)[None, :]
         mask = in_rows[:, None] & in_block[None, :]
         scales = tl.load(scales_ptr + groups, mask=mask, other=0.0).to(tl.float32)
         zeros = tl.load(zeros_ptr + groups, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(scales * code_dots + (zeros - 8.0 * scales) * x_sums[None, :], axis=1)
         following = block + WORDS
-        mask = in_rows[:, None] & (following < K // 8)[None, :]
-        packed = tl.load(row_codes + following[None, :], mask=mask, other=0)
+        packed = tl.load(row_codes + following[None, :], mask=in_rows[:, None] & (following < K // 8)[None, :], other=0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
