@@ -23,6 +23,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_healthy(process: subprocess.Popen, base_url: str, output, what: str, timeout: float) -> None:
+    """Until `base_url`/health answers 200; raises with the process's `output()` if it exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited: {output()}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not become healthy")
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -57,17 +72,7 @@ class ServerProcess:
         self._wait_healthy()
 
     def _wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.output()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become healthy")
+        wait_healthy(self.process, self.base_url, self.output, "server", timeout)
 
     def output(self) -> str:
         """Everything the server printed so far."""

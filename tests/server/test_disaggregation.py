@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME, ROOT, ServerProcess, free_port
+from tests.server.conftest import API_KEY, MODEL_NAME, ROOT, ServerProcess, free_port, wait_healthy
 
 COMMON = ("--page-size", "8", "--max-model-len", "512")
 
@@ -28,16 +28,7 @@ class RouterProcess:
         command += ["--prefill", *prefill, "--decode", *decode, "--timeout", "60"]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-router-", suffix=".log")  # noqa: SIM115
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"router exited: {Path(self.log.name).read_text()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("router did not start")
+        wait_healthy(self.process, self.base_url, lambda: Path(self.log.name).read_text(), "router", 60)
 
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, **options)
