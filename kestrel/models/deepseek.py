@@ -52,7 +52,7 @@ from kestrel.models.dense import (
     read_rope,
 )
 from kestrel.models.llama4 import paired_to_halves
-from kestrel.models.mtp import MtpDraft
+from kestrel.models.mtp import TARGET_NORM, MtpDraft
 from kestrel.models.spec import DecoderSpec, MoeSpec
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
@@ -356,7 +356,7 @@ class DeepseekRecipe:
         skipped = (
             *(SkippedPrefix(f"model.layers.{i}.", "the target model's layers") for i in range(spec.first_mtp_layer)),
             SkippedPrefix("model.embed_tokens.", f"embeddings: {target}"),
-            SkippedPrefix("model.norm.", "the target model's final norm"),
+            TARGET_NORM,
             SkippedPrefix("lm_head.", f"LM head: {target}"),
         )
         mappings = self._experts(spec) + MLP_MAPPINGS
