@@ -107,16 +107,19 @@ def route_kernel(
     num_experts,
     stride_logits,
     stride_shared,
+    routed_scale,
     TOP_K: tl.constexpr,
-    WIDTH: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
+    GATED: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
     SLOTS_POW2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """One token's choices: the TOP_K largest of softmax(logits) in float32 (the first index
-    wins a tie), renormalised to sum to one if asked; with WIDTH = TOP_K + 1, then the
-    always-on shared expert (index num_experts) weighted by sigmoid(its gate's logit)."""
+    wins a tie), renormalised to sum to one if asked, times routed_scale; then NUM_SHARED
+    always-on experts (indices num_experts, ...), each weighted by sigmoid(its gate's logit)
+    where GATED, else by 1."""
     wait_for_inputs(DEPENDENT)
     token = tl.program_id(0)
     ids = tl.arange(0, EXPERTS_POW2)
@@ -136,23 +139,36 @@ def route_kernel(
         remaining = tl.where(ids == first, -1.0, remaining)
     if RENORMALIZE:
         chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
-    if WIDTH > TOP_K:
-        shared_logit = tl.load(shared_logits_ptr + token * stride_shared).to(tl.float32)
-        chosen_weights = tl.where(slots == TOP_K, tl.sigmoid(shared_logit), chosen_weights)
-        chosen_experts = tl.where(slots == TOP_K, num_experts, chosen_experts)
-    out = token * WIDTH + slots
-    tl.store(weights_ptr + out, chosen_weights.to(weights_ptr.dtype.element_ty), mask=slots < WIDTH)
-    tl.store(experts_ptr + out, chosen_experts, mask=slots < WIDTH)
+    chosen_weights *= routed_scale
+    for shared in tl.static_range(NUM_SHARED):
+        weight = 1.0
+        if GATED:
+            weight = tl.sigmoid(tl.load(shared_logits_ptr + token * stride_shared + shared).to(tl.float32))
+        chosen_weights = tl.where(slots == TOP_K + shared, weight, chosen_weights)
+        chosen_experts = tl.where(slots == TOP_K + shared, num_experts + shared, chosen_experts)
+    width = TOP_K + NUM_SHARED
+    out = token * width + slots
+    tl.store(weights_ptr + out, chosen_weights.to(weights_ptr.dtype.element_ty), mask=slots < width)
+    tl.store(experts_ptr + out, chosen_experts, mask=slots < width)
 
 
 def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, shared_logits: torch.Tensor | None = None
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+    shared_logits: torch.Tensor | None = None,
+    num_shared: int | None = None,
+    routed_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, experts] -> (weights in `dtype`, int32 experts), each
-    [tokens, top_k], or [tokens, top_k + 1] with the shared expert (gate logits [tokens, 1])
-    last; what `SparseMoe.route_reference` computes, in one launch."""
+    [tokens, top_k + num_shared]: the routed choices, then the always-on experts, weighted by
+    the sigmoid of their gate logits `shared_logits` [tokens, num_shared] where given, else by
+    1; what `SparseMoe.route_reference` computes, in one launch."""
     tokens, num_experts = logits.shape
-    width = top_k + (shared_logits is not None)
+    if num_shared is None:
+        num_shared = 0 if shared_logits is None else shared_logits.shape[1]
+    width = top_k + num_shared
     weights = torch.empty((tokens, width), dtype=dtype, device=logits.device)
     experts = torch.empty((tokens, width), dtype=torch.int32, device=logits.device)
     route_kernel[(tokens,)](
@@ -163,8 +179,10 @@ def route(
         num_experts,
         logits.stride(0),
         shared_logits.stride(0) if shared_logits is not None else 0,
+        routed_scale,
         TOP_K=top_k,
-        WIDTH=width,
+        NUM_SHARED=num_shared,
+        GATED=shared_logits is not None,
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         SLOTS_POW2=triton.next_power_of_2(width),
         RENORMALIZE=renormalize,

@@ -38,7 +38,12 @@ class StackedExpertWeight(nn.Module):
     Under tensor parallelism each part keeps this rank's slice of its rows (gate, up) or of
     its columns (down)."""
 
-    def __init__(self, num_experts: int, parts: dict[str, ShardSlice], columns: ShardSlice) -> None:
+    def __init__(
+        self, num_experts: int, parts: dict[str, ShardSlice], columns: ShardSlice, combined_from: int | None = None
+    ) -> None:
+        """The experts from index `combined_from` on (always-on experts) come as one checkpoint
+        tensor per part, `n` experts wide (DeepSeek's `shared_experts`): shard "shared:<part>",
+        split evenly between them along its intermediate dim."""
         super().__init__()
         rows = sum(part.size for part in parts.values())
         self.weight = nn.Parameter(torch.empty(num_experts, rows, columns.size), requires_grad=False)
@@ -48,7 +53,10 @@ class StackedExpertWeight(nn.Module):
         for part, rows_slice in parts.items():
             self._rows[part] = (start, rows_slice)
             start += rows_slice.size
-        self._shards = frozenset(f"{e}:{part}" for e in range(num_experts) for part in parts)
+        self._first_shared = num_experts if combined_from is None else combined_from
+        self._shards = frozenset(f"{e}:{part}" for e in range(self._first_shared) for part in parts)
+        if self._first_shared < num_experts:
+            self._shards |= {f"shared:{part}" for part in parts}
         self.scales: torch.Tensor | None = None  # [experts, rows] float32 once the weight is float8
 
     def quantize_fp8(self) -> None:
@@ -75,10 +83,30 @@ class StackedExpertWeight(nn.Module):
         if shard_id not in self._shards:
             raise WeightBindingError(f"no expert shard {shard_id!r}")
         expert, part = shard_id.split(":")
+        if expert == "shared":
+            self._load_always_on(param, tensor, part)
+            return
+        self._load_expert(param, tensor, int(expert), part, f"expert shard {shard_id}")
+
+    def _load_expert(self, param: torch.Tensor, tensor: torch.Tensor, expert: int, part: str, what: str) -> None:
         start, rows = self._rows[part]
-        what = f"expert shard {shard_id}"
         piece = self.columns.take(rows.take(tensor, 0, what), 1, what)
-        copy_into(param.data[int(expert)].narrow(0, start, rows.size), piece, what)
+        copy_into(param.data[expert].narrow(0, start, rows.size), piece, what)
+
+    def _load_always_on(self, param: torch.Tensor, tensor: torch.Tensor, part: str) -> None:
+        """One checkpoint tensor for every always-on expert: its rows (gate, up) or its columns
+        (down) are the experts' intermediate dims one after another."""
+        count = param.shape[0] - self._first_shared
+        rows = self._rows[part][1]
+        dim = 0 if tensor.shape[0] == count * rows.total else 1
+        if tensor.shape[dim] != count * (rows.total if dim == 0 else self.columns.total):
+            raise WeightBindingError(
+                f"shape mismatch for shared expert part {part!r}: {tuple(tensor.shape)} does not split "
+                f"into {count} experts of {tuple(param.shape[1:])}"
+            )
+        for index, piece in enumerate(tensor.chunk(count, dim)):
+            expert = self._first_shared + index
+            self._load_expert(param, piece, expert, part, f"shared expert {index} ({part}), stacked as {expert}")
 
 
 class SparseMoe(nn.Module):
@@ -91,9 +119,11 @@ class SparseMoe(nn.Module):
         renormalize: bool,
         parallel: TensorParallel = SINGLE,
         num_stacked: int | None = None,
+        always_on_combined: bool = False,
     ) -> None:
         """`num_stacked` experts are stacked (default: the `num_experts` the router picks
-        from); any past those are always-on experts that a subclass routes every token to."""
+        from); any past those are always-on experts that a subclass routes every token to,
+        loaded one by one or, with `always_on_combined`, from one wider tensor per part."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.num_stacked = num_stacked or num_experts
@@ -103,40 +133,58 @@ class SparseMoe(nn.Module):
         inner = ShardSlice(parallel.rank * part, part, intermediate_size)
         self.experts = nn.Module()
         stacked = self.num_stacked
-        self.experts.w13 = StackedExpertWeight(stacked, {"gate": inner, "up": inner}, ShardSlice.whole(hidden_size))
-        self.experts.w2 = StackedExpertWeight(stacked, {"down": ShardSlice.whole(hidden_size)}, inner)
+        combined = num_experts if always_on_combined else None
+        gate_up = {"gate": inner, "up": inner}
+        self.experts.w13 = StackedExpertWeight(stacked, gate_up, ShardSlice.whole(hidden_size), combined)
+        self.experts.w2 = StackedExpertWeight(stacked, {"down": ShardSlice.whole(hidden_size)}, inner, combined)
+
+    @property
+    def num_always_on(self) -> int:
+        """Experts stacked after the routed ones, which every token takes."""
+        return self.num_stacked - self.num_experts
 
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights (softmax in float32, as HF does); with
-        `shared_logits` [tokens, 1], the always-on expert after them, weighted by their
-        sigmoid. One kernel on CUDA."""
+        `shared_logits` [tokens, always-on experts], the always-on experts after them, weighted
+        by their sigmoid. One kernel on CUDA."""
         return self.pick(self.gate(hidden), hidden.dtype, shared_logits)
 
     def pick(
-        self, logits: torch.Tensor, dtype: torch.dtype, shared_logits: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        dtype: torch.dtype,
+        shared_logits: torch.Tensor | None = None,
+        always_on: bool = False,
+        routed_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`route` from the router's logits [tokens, experts] (any row stride)."""
+        """`route` from the router's logits [tokens, experts] (any row stride); the routed
+        weights times `routed_scale`. The always-on experts follow where `shared_logits` are
+        given (weighted by their sigmoid) or `always_on` is asked for (weighted 1)."""
+        num_shared = self.num_always_on if always_on or shared_logits is not None else 0
         if logits.is_cuda:
             from kestrel.layers.fused_moe import route
 
-            return route(logits, self.top_k, self.renormalize, dtype, shared_logits)
-        return self.route_reference(logits, dtype, shared_logits)
+            return route(logits, self.top_k, self.renormalize, dtype, shared_logits, num_shared, routed_scale)
+        return self.route_reference(logits, dtype, shared_logits, num_shared, routed_scale)
 
     def route_reference(
-        self, logits: torch.Tensor, dtype: torch.dtype, shared_logits: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        dtype: torch.dtype,
+        shared_logits: torch.Tensor | None = None,
+        num_shared: int | None = None,
+        routed_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(dtype)
-        if shared_logits is None:
-            return weights, experts
-        shared = torch.sigmoid(shared_logits.float()).to(dtype)
-        always_on = experts.new_full((logits.shape[0], 1), self.num_experts)
-        return torch.cat((weights, shared), dim=1), torch.cat((experts, always_on), dim=1)
+        weights = (weights * routed_scale).to(dtype)
+        if num_shared is None:
+            num_shared = 0 if shared_logits is None else shared_logits.shape[1]
+        return append_always_on(weights, experts, self.num_experts, num_shared, shared_logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mix_experts(hidden, *self.route(hidden))
@@ -179,6 +227,26 @@ class SparseMoe(nn.Module):
             expert_out = ops.linear(F.silu(gate) * up, w2.expert(expert, hidden.dtype))
             out.index_add_(0, rows, expert_out * row_weights[:, None])
         return out
+
+
+def append_always_on(
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    num_routed: int,
+    count: int,
+    shared_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed choices [tokens, k] followed by `count` always-on experts (stacked from index
+    `num_routed`), each weighted by the sigmoid of its column of `shared_logits`, or by 1."""
+    if not count:
+        return weights, experts
+    tokens = weights.shape[0]
+    if shared_logits is None:
+        shared = weights.new_ones((tokens, count))
+    else:
+        shared = torch.sigmoid(shared_logits.float()).to(weights.dtype)
+    always_on = torch.arange(num_routed, num_routed + count, device=experts.device, dtype=experts.dtype)
+    return torch.cat((weights, shared), dim=1), torch.cat((experts, always_on.expand(tokens, count)), dim=1)
 
 
 def per_choice(hidden: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBin
 from kestrel.layers import ops
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice
-from kestrel.layers.moe import EXPERT_PROJECTIONS, SparseMoe, expert_mappings
+from kestrel.layers.moe import EXPERT_PROJECTIONS, SparseMoe, append_always_on, expert_mappings
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.dense import (
     MLP_MAPPINGS,
@@ -133,31 +133,37 @@ class DeepseekRouter(Linear):
 
 
 class DeepseekMoe(SparseMoe):
-    """Routed experts (the fused MoE on CUDA) and shared experts every token takes."""
+    """Routed experts and the shared experts every token takes, in one fused MoE on CUDA.
+
+    The checkpoint's shared MLP (`n_shared_experts` experts' width in one tensor) is stacked
+    after the routed experts as `n_shared_experts` always-on experts of the routed width,
+    each chosen by every token with weight 1: split along its intermediate dim, it computes
+    the same sum, and the separate matvecs and add a shared MLP cost are gone."""
 
     def __init__(self, spec: DeepseekSpec, parallel: TensorParallel) -> None:
         moe = spec.moe
-        super().__init__(spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize, parallel)
+        stacked = moe.num_experts + spec.shared_experts
+        super().__init__(
+            *(spec.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize, parallel),
+            num_stacked=stacked,
+            always_on_combined=True,
+        )
         self.routing = spec.routing
         self.gate = DeepseekRouter(spec.hidden_size, moe.num_experts, spec.routing.correction_bias)
-        self.shared_experts = DecoderMLP(spec, parallel, moe.intermediate_size * spec.shared_experts)
 
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed choices, then the shared experts (weight 1)."""
         routing = self.routing
         if hidden.is_cuda and routing.scoring == SOFTMAX and routing.num_groups == 1:
             # V2's greedy top-k of a softmax: the fused routing kernel, on the router's logits
             # in the model's dtype (where float32 logits took four launches more).
-            weights, experts = self.pick(self.gate(hidden), hidden.dtype)
-            return (weights if routing.scaling_factor == 1 else weights * routing.scaling_factor), experts
+            return self.pick(self.gate(hidden), hidden.dtype, always_on=True, routed_scale=routing.scaling_factor)
         # Scores in float32, as transformers computes them: a near tie picks the same expert.
         logits = torch.nn.functional.linear(hidden.float(), self.gate.weight.float())
         weights, experts = route(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.routing)
-        return weights.to(hidden.dtype), experts
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.mix_experts(hidden, *self.route(hidden)) + self.shared_experts(hidden)
+        return append_always_on(weights.to(hidden.dtype), experts, self.num_experts, self.num_always_on)
 
 
 class PairedRopeRows(ColumnParallelLinear):
@@ -364,7 +370,18 @@ class DeepseekRecipe:
 
     @staticmethod
     def _experts(spec: DeepseekSpec) -> tuple[PackedMapping, ...]:
-        return tuple(expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS)) if spec.moe else ()
+        """The routed experts, and the shared MLP split into always-on experts (`DeepseekMoe`)."""
+        if not spec.moe:
+            return ()
+        shared = tuple(
+            PackedMapping(
+                f"mlp.shared_experts.{name}",
+                "mlp.experts.w2" if part == "down" else "mlp.experts.w13",
+                f"shared:{part}",
+            )
+            for name, part in EXPERT_PROJECTIONS.items()
+        )
+        return shared + tuple(expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS))
 
 
 class DeepseekMtpLayer(DeepseekDecoderLayer):

@@ -41,6 +41,13 @@ RECURRENT_STEP = {"query_start_ptr": "*i32", "slots_ptr": "*i64", "read_slots_pt
 RECURRENT_STEP |= {"has_state_ptr": "*i1"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32", HAS_SINKS=False)
 
+MOE_ROUTE = {
+    "logits_ptr": "*bf16",
+    "shared_logits_ptr": "*bf16",
+    "weights_ptr": "*bf16",
+    "experts_ptr": "*i32",
+    "routed_scale": "fp32",
+}
 CASES = {
     "gemv": (
         gemv._gemv_kernel,
@@ -175,8 +182,13 @@ CASES = {
     ),
     "moe_route_with_shared": (  # Qwen3-Next: top 10 of 512, the shared expert after them
         fused_moe.route_kernel,
-        {"logits_ptr": "*bf16", "shared_logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i32"},
-        dict(TOP_K=10, WIDTH=11, EXPERTS_POW2=512, SLOTS_POW2=16, RENORMALIZE=True, DEPENDENT=True),
+        MOE_ROUTE,
+        dict(TOP_K=10, NUM_SHARED=1, GATED=True, EXPERTS_POW2=512, SLOTS_POW2=16, RENORMALIZE=True, DEPENDENT=True),
+    ),
+    "moe_route_deepseek": (  # DeepSeek-V2-Lite: top 6 of 64 scaled, two shared experts weighted 1
+        fused_moe.route_kernel,
+        MOE_ROUTE,
+        dict(TOP_K=6, NUM_SHARED=2, GATED=False, EXPERTS_POW2=64, SLOTS_POW2=8, RENORMALIZE=False, DEPENDENT=True),
     ),
     "moe_expert_gate_up": (  # a decode token's routed rows, one matvec each
         fused_moe._expert_gate_up_kernel,

@@ -84,23 +84,37 @@ def test_row_blocks_follow_the_rows_each_expert_gets():
 
 
 @pytest.mark.parametrize(
-    "num_experts, top_k, renormalize, shared", [(6, 2, True, False), (128, 8, False, True), (10, 3, True, True)]
+    "num_experts, top_k, renormalize, shared, gated, scale",
+    [
+        (6, 2, True, 0, False, 1.0),
+        (128, 8, False, 1, True, 1.0),
+        (10, 3, True, 1, True, 1.0),
+        (16, 6, False, 2, False, 2.5),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_routing_kernel_picks_and_weighs_as_the_torch_path(num_experts, top_k, renormalize, shared, dtype):
+def test_the_routing_kernel_picks_and_weighs_as_the_torch_path(
+    num_experts, top_k, renormalize, shared, gated, scale, dtype
+):
+    """Routed choices scaled, then `shared` always-on experts: gated by a sigmoid (Qwen3-Next)
+    or weighted 1 (DeepSeek's shared experts)."""
     torch.manual_seed(num_experts)
     moe = SparseMoe(16, 8, num_experts, top_k, renormalize)
     logits = torch.randn(37, num_experts).to(dtype)
-    shared_logits = torch.randn(37, 1).to(dtype) if shared else None
-    expected_weights, expected_experts = moe.route_reference(logits, dtype, shared_logits)
-    on_device = shared_logits.to(DEVICE) if shared else None
-    weights, experts = route(logits.to(DEVICE), top_k, renormalize, dtype, on_device)
+    shared_logits = torch.randn(37, shared).to(dtype) if gated else None
+    expected_weights, expected_experts = moe.route_reference(logits, dtype, shared_logits, shared, scale)
+    on_device = shared_logits.to(DEVICE) if gated else None
+    weights, experts = route(logits.to(DEVICE), top_k, renormalize, dtype, on_device, shared, scale)
     assert experts.shape == weights.shape == (37, top_k + shared)
     # bf16 logits tie often; either of two tied experts is right, so compare what each chose.
     chosen = logits.gather(1, experts.cpu()[:, :top_k].long())
     assert chosen.tolist() == logits.gather(1, expected_experts[:, :top_k]).tolist()
+    assert experts.cpu()[:, top_k:].tolist() == [list(range(num_experts, num_experts + shared))] * 37
     assert experts.cpu()[:, top_k:].tolist() == expected_experts[:, top_k:].tolist()
-    torch.testing.assert_close(weights.cpu(), expected_weights, atol=1e-6 if dtype == torch.float32 else 8e-3, rtol=0)
+    if not gated:
+        assert weights[:, top_k:].eq(1).all()
+    tolerance = 1e-6 * scale if dtype == torch.float32 else 8e-3 * scale
+    torch.testing.assert_close(weights.cpu(), expected_weights, atol=tolerance, rtol=0)
 
 
 def test_the_routing_kernel_breaks_ties_by_the_lower_index():
@@ -250,6 +264,8 @@ def test_deepseek_v2_greedy_routing_on_cuda_matches_the_torch_path():
     moe.gate.weight.data.normal_(0, 0.5)
     hidden = torch.randn(9, 64, device="cuda")
     weights, experts = moe.route(hidden)
+    assert experts[:, 6:].tolist() == [[16, 17]] * 9 and weights[:, 6:].eq(1).all()  # the shared experts
+    weights, experts = weights[:, :6], experts[:, :6]
     logits = hidden.float() @ moe.gate.weight.float().T
     expected_weights, expected_experts = route(logits, None, 6, False, spec.routing)
     order, expected_order = experts.argsort(dim=-1), expected_experts.argsort(dim=-1)
