@@ -360,6 +360,70 @@ def head_norm_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
 
 
 @triton.jit
+def _latent_key_kernel(
+    kv_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_kv,
+    stride_cos,
+    latent,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_LATENT: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
+    """One token's latent key: its first `latent` columns normalised (rounded as
+    `_rms_norm_kernel` rounds), the 2 * HALF after them rotated as `rotate_half_pair` rotates."""
+    token = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_LATENT)
+    inside = cols < latent
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    wait_for_inputs(DEPENDENT)
+    row = kv_ptr + token * stride_kv
+    out_row = out_ptr + token * (latent + 2 * HALF)
+    x = tl.load(row + cols, mask=inside, other=0.0)
+    x32 = x.to(tl.float32)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / latent + eps)
+    normed = (x32 * inverse_rms).to(x.dtype).to(tl.float32)
+    tl.store(out_row + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=inside)
+    pair = tl.arange(0, BLOCK_HALF)
+    in_half = pair < HALF
+    first = tl.load(row + latent + pair, mask=in_half, other=0.0)
+    second = tl.load(row + latent + HALF + pair, mask=in_half, other=0.0)
+    cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
+    first, second = rotate_half_pair(first, second, cos_row, sin_row, pair, in_half, HALF)
+    tl.store(out_row + latent + pair, first, mask=in_half)
+    tl.store(out_row + latent + HALF + pair, second, mask=in_half)
+
+
+def latent_key(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """`ops.latent_key` in one launch: kv [tokens, latent + rope] -> [tokens, 1, latent + rope]."""
+    tokens, width = kv.shape
+    rope = cos.shape[-1]
+    out = torch.empty((tokens, 1, width), dtype=kv.dtype, device=kv.device)
+    if tokens:
+        _latent_key_kernel[(tokens,)](
+            kv,
+            weight,
+            cos,
+            sin,
+            out,
+            kv.stride(0),
+            cos.stride(0),
+            width - rope,
+            eps,
+            HALF=rope // 2,
+            BLOCK_LATENT=triton.next_power_of_2(width - rope),
+            BLOCK_HALF=triton.next_power_of_2(rope // 2),
+            **dependent_launch_args(kv.device),
+        )
+    return out
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr,
     gate_ptr,

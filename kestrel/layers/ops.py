@@ -137,6 +137,23 @@ def head_norm_rotary(
     return rotary(rms_norm(x.contiguous(), weight, eps), cos, sin)
 
 
+def latent_key(
+    kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Latent attention's key from its projection kv [tokens, latent + rope] (any row stride):
+    the latent RMS-normalised by `weight`, the rope part (cos.shape[-1] wide) rotated; a new
+    [tokens, 1, latent + rope]. One kernel on CUDA, where a copy, a norm, a rotary pass and a
+    concatenation took four."""
+    if kv.is_cuda and kv.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.latent_key(kv, weight, eps, cos, sin)
+    tokens, rope = kv.shape[0], cos.shape[-1]
+    latent, key_rope = kv.split((kv.shape[1] - rope, rope), dim=-1)
+    rotated = rotary(key_rope.reshape(tokens, 1, rope), cos, sin).view(tokens, rope)
+    return torch.cat((rms_norm(latent.contiguous(), weight, eps), rotated), dim=-1).view(tokens, 1, -1)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """norm(x) * weight * silu(gate) per head of x [tokens, heads, dim]; one kernel on CUDA."""
     if x.is_cuda and gate.stride(-1) == 1:

@@ -227,14 +227,8 @@ class MlaAttention(nn.Module):
         mla, tokens = self.mla, hidden.shape[0]
         cos, sin = rotary
         query = self._query(hidden).view(tokens, self.num_heads, mla.query_dim)
-        latent, key_rope = self.kv_a_proj_with_mqa(hidden).split((mla.kv_lora_rank, mla.rope_dim), dim=-1)
-        key = torch.cat(
-            (
-                self.kv_a_layernorm(latent.contiguous()),
-                ops.rotary(key_rope.view(tokens, 1, mla.rope_dim), cos, sin).view(tokens, mla.rope_dim),
-            ),
-            dim=-1,
-        ).view(tokens, 1, mla.kv_lora_rank + mla.rope_dim)
+        norm = self.kv_a_layernorm
+        key = ops.latent_key(self.kv_a_proj_with_mqa(hidden), norm.effective_weight, norm.eps, cos, sin)
         key_up, value_up = self._up_projections()
         # Each head's nope query in the latent's space: [heads, tokens, nope] @ [heads, nope, latent].
         absorbed = torch.bmm(query[..., : mla.nope_dim].transpose(0, 1), key_up).transpose(0, 1)

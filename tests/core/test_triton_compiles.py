@@ -231,6 +231,12 @@ CASES = {
         | {"eps": "fp32"},
         dict(HALF_ROTARY=32, BLOCK=256, HEADS=16, DEPENDENT=True),
     ),
+    "latent_key": (  # DeepSeek-V2-Lite: a 512-wide latent normed, 64 rope columns rotated
+        fused._latent_key_kernel,
+        {"kv_ptr": "*bf16", "weight_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"}
+        | {"eps": "fp32"},
+        dict(HALF=32, BLOCK_LATENT=512, BLOCK_HALF=32, DEPENDENT=True),
+    ),
     "gated_rms_norm": (
         fused._gated_rms_norm_kernel,
         {"x_ptr": "*bf16", "gate_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},

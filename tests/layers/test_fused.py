@@ -124,6 +124,23 @@ def test_head_norm_rotary_on_the_query_beside_its_gate(dtype, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_key_normalises_the_latent_and_rotates_the_rope_part(dtype):
+    """DeepSeek's key: a projection's 40 latent columns normed, its 8 rope columns rotated,
+    read from a wider row (a strided view), written as [tokens, 1, 48]."""
+    torch.manual_seed(9)
+    tokens, latent, rope = 4, 40, 8
+    projection = torch.randn(tokens, latent + rope + 5, dtype=dtype, device=DEVICE)
+    kv = projection[:, : latent + rope]
+    weight = torch.rand(latent, dtype=dtype, device=DEVICE) + 0.5
+    cos, sin = cos_sin(tokens, rope, dtype)
+    got = fused.latent_key(kv, weight, 1e-6, cos, sin)
+    expected = ops.latent_key(kv.cpu(), weight.cpu(), 1e-6, cos.cpu(), sin.cpu())
+    assert got.shape == (tokens, 1, latent + rope) and got.is_contiguous()
+    assert not torch.equal(expected[..., :latent], kv.cpu()[:, None, :latent])  # normed
+    close(got, expected.to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_rms_norm_reads_its_gate_from_a_wider_projection(dtype):
     torch.manual_seed(8)
     tokens, heads, dim = 4, 3, 16
