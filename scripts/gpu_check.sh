@@ -12,8 +12,9 @@
 #   bash scripts/gpu_check.sh long        # 1000 x 2048/2048
 #   bash scripts/gpu_check.sh tp          # two GPUs: TP=2 parity, all-reduce bandwidth, TP=1 vs TP=2
 #   bash scripts/gpu_check.sh moe         # the fused MoE's launch sweep per token count (fills LAUNCHES)
-#   bash scripts/gpu_check.sh sparse      # Qwen3-30B-A3B and Qwen3-Next shapes: batch-1 latency, decode
-#                                         # profile, 1000 x 1000/1000 (carry the fla-core wheel for HF's)
+#   bash scripts/gpu_check.sh sparse      # Qwen3-30B-A3B, Qwen3-Next and DeepSeek-V2-Lite shapes: batch-1
+#                                         # latency, decode profile, 1000 x 1000/1000 with a float8 pool
+#                                         # (carry the fla-core wheel for HF's Qwen3-Next)
 # Llama-3-8B shape with dummy bf16 weights; results go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,15 +115,17 @@ for phase in "${@:-tests}"; do
         python3 scripts/moe_sweep.py --out "$out/moe_sweep.json" 2>&1 | grep -v skip | tee "$out/moe_sweep.log"
         ;;
     sparse)  # the MoE and hybrid shapes against their honest limits (bench/limits.py)
-        for shape in qwen3-30b-a3b qwen3-next-80b-a3b-24l; do
+        # Throughput with a float8 pool and 512 sequences: what the issue's targets are measured with.
+        for shape in qwen3-30b-a3b qwen3-next-80b-a3b-24l deepseek-v2-lite; do
             S="--dummy-config $shape --dtype bfloat16 --device cuda --max-model-len 4096"
             python3 -m kestrel bench latency $S --input-len 128 --output-len 256 --hf-output-len 32 \
-                --output-json "$out/latency_$shape.json" 2>&1 | tee "$out/latency_$shape.log" | tail -n 30
-            python3 scripts/profile_decode.py --dummy-config $shape --context 0 --kv-cache-memory-gb 20 \
+                --kv-cache-memory-gb 8 --output-json "$out/latency_$shape.json" 2>&1 |
+                tee "$out/latency_$shape.log" | tail -n 30
+            python3 scripts/profile_decode.py --dummy-config $shape --context 0 --kv-cache-memory-gb 8 \
                 --out "$out/profile_$shape" 2>&1 | tail -n 12
             python3 -m kestrel bench throughput $S --num-prompts 1000 --input-len 1000 --output-len 1000 \
-                --no-hf-baseline --output-json "$out/throughput_$shape.json" 2>&1 | tee "$out/throughput_$shape.log" |
-                tail -n 6
+                --kv-cache-dtype fp8 --max-num-seqs 512 --no-hf-baseline \
+                --output-json "$out/throughput_$shape.json" 2>&1 | tee "$out/throughput_$shape.log" | tail -n 6
         done
         ;;
     *)
