@@ -216,6 +216,18 @@ def test_hybrid_models_speculate_with_the_state_before_a_verify_kept(family, che
     assert_pool_balanced(llm)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: verify rows join them on CUDA only")
+def test_hybrid_speculation_on_cuda_says_its_verify_steps_run_eagerly(checkpoint_dir, caplog):
+    """A dense model's verify rows run in the decode graphs; a hybrid's cannot, and the user
+    who asks for speculation is told that it may decode slower."""
+    with caplog.at_level("WARNING", logger="kestrel"):
+        LLM(str(checkpoint_dir("qwen3")), device="cuda", speculative_config=NGRAM)
+    assert "outside the CUDA graphs" not in caplog.text
+    with caplog.at_level("WARNING", logger="kestrel"):
+        LLM(str(checkpoint_dir("qwen3-next")), device="cuda", speculative_config=NGRAM)
+    assert "Qwen3NextForCausalLM: its recurrent state takes a verify chunk's tokens in order" in caplog.text
+
+
 def test_hybrid_speculation_under_preemption_keeps_outputs(checkpoint_dir):
     tight, preemptions = run_in_a_tight_pool(str(checkpoint_dir("qwen3-next")), NGRAM, 16)
     assert preemptions and tight.engine.stats().spec_decode_num_drafts > 0
