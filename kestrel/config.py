@@ -11,6 +11,7 @@ from kestrel.engine.speculative import SpeculativeConfig
 
 GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names
+SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "none", "int4", "fp8", "awq", "gptq", "mxfp4")
 
 
@@ -26,6 +27,11 @@ class EngineArgs:
     # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": keys and values stored as float8 e4m3,
     # which halves the bytes decode reads (and doubles the tokens the pool holds).
     kv_cache_dtype: str = "auto"
+    # Linear-attention layers' recurrent matrices (vLLM's name): "auto" / "float32" keep them in
+    # float32 as transformers does (the recurrence accumulates every token); "bfloat16" /
+    # "float16" halve the state a decode step reads and writes per sequence (vLLM's "auto" is
+    # the model's dtype: pass "bfloat16" for its behaviour). Computed in float32 either way.
+    mamba_ssm_cache_dtype: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -94,6 +100,11 @@ class EngineArgs:
             (
                 self.kv_cache_dtype in KV_CACHE_DTYPES,
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+            ),
+            (
+                self.mamba_ssm_cache_dtype in SSM_CACHE_DTYPES,
+                f"mamba_ssm_cache_dtype must be one of {', '.join(SSM_CACHE_DTYPES)}, "
+                f"got {self.mamba_ssm_cache_dtype!r}",
             ),
             (
                 self.quantization in QUANTIZATIONS,

@@ -18,7 +18,7 @@ from kestrel.core.batch import KV_GROUP
 from kestrel.core.binder import StepBinder
 from kestrel.core.decode_graphs import DecodeGraphs, check_compiles, decode_buckets, graphs_supported
 from kestrel.core.host_tier import HostKVTier
-from kestrel.core.layer_spec import PoolBudget, StateGroupSpec
+from kestrel.core.layer_spec import PoolBudget, RecurrentGroup, StateGroupSpec
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.planner import FcfsPlanner, PlannerConfig
 from kestrel.core.recipe import ModelSpec
@@ -223,6 +223,21 @@ def split_state_groups(
     return paged[KV_GROUP].kv, {name: group for name, group in groups.items() if not group.paged}
 
 
+def recurrent_state_dtype(name: str) -> torch.dtype:
+    """`mamba_ssm_cache_dtype` as a dtype: "auto" keeps float32, as transformers does."""
+    return torch.float32 if name == "auto" else DTYPES[name]
+
+
+def with_recurrent_state_dtype(groups: dict[str, StateGroupSpec], dtype: torch.dtype) -> dict[str, StateGroupSpec]:
+    """The fixed-size groups, their linear-attention state matrices stored in `dtype`."""
+    return {
+        name: dataclasses.replace(group, recurrent=dataclasses.replace(group.recurrent, state_dtype=dtype))
+        if isinstance(group, RecurrentGroup)
+        else group
+        for name, group in groups.items()
+    }
+
+
 def build_fixed_pools(
     groups: dict[str, StateGroupSpec], max_num_seqs: int, num_snapshots: int, device: torch.device
 ) -> dict[str, StateProvider]:
@@ -353,6 +368,7 @@ def load_rank_model(args: EngineArgs, parallel: TensorParallel, mtp_head: bool =
             quantize_linears(model, quantization)
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     kv_spec, fixed_specs = split_state_groups(spec, dtype, kv_dtype, args.page_size, parallel)
+    fixed_specs = with_recurrent_state_dtype(fixed_specs, recurrent_state_dtype(args.mamba_ssm_cache_dtype))
     return LoadedModel(
         runtime,
         spec,

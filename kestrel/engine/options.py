@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kestrel.config import KV_CACHE_DTYPES
+from kestrel.config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES
 from kestrel.engine.reasoning import REASONING_PARSERS
 
 
@@ -17,6 +17,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=list(KV_CACHE_DTYPES),
         help="auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3 keys and values, half the bytes of bf16",
+    )
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=list(SSM_CACHE_DTYPES),
+        help="linear-attention layers' recurrent state: auto/float32 as transformers keeps it; bfloat16 or "
+        "float16 halve the state each decode step reads and writes (vLLM's auto is the model's dtype)",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -117,6 +124,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -161,7 +161,7 @@ def gated_delta_kernel(
     """One (sequence, value head, block of value columns): the recurrence over the
     sequence's rows, from the state in its read slot to its slot and its save slot. mixed
     rows are the convolution's output [q | k | v] over all heads; state [slots, value heads,
-    KEY_DIM, VALUE_DIM] in float32."""
+    KEY_DIM, VALUE_DIM], computed in float32 and stored in its own dtype."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(1) // NUM_VALUE_HEADS
     head = tl.program_id(1) % NUM_VALUE_HEADS
@@ -175,7 +175,7 @@ def gated_delta_kernel(
     head_tile = head * KEY_DIM * VALUE_DIM + offs_k[:, None] * VALUE_DIM + offs_v[None, :]
     tile = state_ptr + tl.load(read_slots_ptr + seq).to(tl.int64) * stride_state_slot + head_tile
     in_tile = in_k[:, None] & in_v[None, :]
-    state = tl.load(tile, mask=in_tile & keep, other=0.0)  # a fresh sequence starts from zero
+    state = tl.load(tile, mask=in_tile & keep, other=0.0).to(tl.float32)  # a fresh sequence starts from zero
     decay_rate = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     q_offset = key_head * KEY_DIM
@@ -202,8 +202,9 @@ def gated_delta_kernel(
             mask=in_v,
         )
     slot, save = tl.load(slots_ptr + seq).to(tl.int64), tl.load(save_slots_ptr + seq).to(tl.int64)
-    tl.store(state_ptr + slot * stride_state_slot + head_tile, state, mask=in_tile)
-    tl.store(state_ptr + save * stride_state_slot + head_tile, state, mask=in_tile)
+    stored = state.to(state_ptr.dtype.element_ty)  # float32, or a half-precision state pool
+    tl.store(state_ptr + slot * stride_state_slot + head_tile, stored, mask=in_tile)
+    tl.store(state_ptr + save * stride_state_slot + head_tile, stored, mask=in_tile)
 
 
 def gated_delta_varlen(
@@ -224,7 +225,8 @@ def gated_delta_varlen(
 
     mixed [tokens, q | k | v] after the convolution (q, k per key head, v per value head);
     a, b [tokens, value heads] the raw gate projections; a_log, dt_bias [value heads];
-    state [slots, value heads, key_dim, value_dim] float32, updated in place: each sequence
+    state [slots, value heads, key_dim, value_dim] (float32, or bf16/fp16 where
+    `mamba_ssm_cache_dtype` asks), updated in place: each sequence
     starts from its read slot (its slot by default; zeros where has_state is false) and
     leaves its state in its slot and its save slot. Returns the output [tokens, value heads,
     value_dim] in mixed's dtype."""

@@ -265,14 +265,14 @@ class GatedDeltaNet(nn.Module):
             rows = slice(0, decodes)
             prior = _zero_unless(state.recurrent[meta.read_slots[:decodes]], meta.has_state_tensor[:decodes])
             out[rows], new_state = recurrent_gated_delta(
-                query[rows], key[rows], value[rows], log_decay[rows], beta[rows], prior
+                query[rows], key[rows], value[rows], log_decay[rows], beta[rows], _in_float32(prior)
             )
             _save(state.recurrent, new_state, meta, rows)
         for index in range(decodes, len(meta.slot_ids)):
             rows = slice(meta.query_start_loc[index], meta.query_start_loc[index + 1])
             prior = _starting(state.recurrent, meta, index)
             out[rows], new_state = chunked_gated_delta(
-                query[rows], key[rows], value[rows], log_decay[rows], beta[rows], prior
+                query[rows], key[rows], value[rows], log_decay[rows], beta[rows], _in_float32(prior)
             )
             _save(state.recurrent, new_state[None], meta, slice(index, index + 1))
         return out
@@ -284,9 +284,16 @@ def _starting(states: torch.Tensor, meta: RecurrentMetadata, index: int) -> torc
     return states[read] if meta.has_state[index] else torch.zeros_like(states[read])
 
 
+def _in_float32(state: torch.Tensor) -> torch.Tensor:
+    """A stored recurrent state (float32, or a half-precision `mamba_ssm_cache_dtype`) as the
+    recurrence computes it; saving rounds it back to the pool's dtype."""
+    return state.float()
+
+
 def _save(states: torch.Tensor, new: torch.Tensor, meta: RecurrentMetadata, sequences: slice) -> None:
     """The sequences' final states into their slots, and into their save slots where any
-    differs (a snapshot the prefix cache keeps)."""
+    differs (a snapshot the prefix cache keeps), in the pool's dtype."""
+    new = new.to(states.dtype)
     states[meta.slots[sequences]] = new
     if meta.save_ids[sequences] != meta.slot_ids[sequences]:
         states[meta.save_slots[sequences]] = new

@@ -267,6 +267,14 @@ CASES = {
         dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)
         | dict(DEPENDENT=True),
     ),
+    "gated_delta_bf16_state": (  # mamba_ssm_cache_dtype="bfloat16"
+        gated_delta_kernels.gated_delta_kernel,
+        RECURRENT_STEP
+        | {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16"}
+        | {"state_ptr": "*bf16", "out_ptr": "*bf16", "scale": "fp32"},
+        dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)
+        | dict(DEPENDENT=True),
+    ),
 }
 
 

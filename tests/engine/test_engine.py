@@ -324,6 +324,35 @@ def test_unknown_kv_cache_dtype_is_a_clear_error(checkpoint_dir):
         LLM(str(checkpoint_dir("qwen3")), kv_cache_dtype="int4")
 
 
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_a_bfloat16_recurrent_state_halves_its_bytes_and_stays_close(checkpoint_dir, family):
+    """`mamba_ssm_cache_dtype="bfloat16"`: the recurrent matrices stored in bf16 (read widened,
+    computed in float32, rounded when saved) between prefill chunks and every decode step."""
+    path = str(checkpoint_dir(family))
+    common = dict(max_num_batched_tokens=16, page_size=8)  # prompts split into several chunks
+    exact, narrow = LLM(path, **common), LLM(path, **common, mamba_ssm_cache_dtype="bfloat16")
+    wide_spec, narrow_spec = exact.engine.parts.recurrent.spec, narrow.engine.parts.recurrent.spec
+    assert (wide_spec.state_dtype, narrow_spec.state_dtype) == (torch.float32, torch.bfloat16)
+    state_bytes = wide_spec.num_layers * wide_spec.num_heads * wide_spec.key_dim * wide_spec.value_dim * 2
+    assert wide_spec.bytes_per_slot() - narrow_spec.bytes_per_slot() == state_bytes
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    batch = prompts(3, 40)
+    expected = exact.generate(batch, params, use_tqdm=False)
+    got = narrow.generate(batch, params, use_tqdm=False)
+    differences = []
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        for token, wide, half in zip(want.outputs[0].token_ids, want.outputs[0].logprobs, have.outputs[0].logprobs):
+            differences.append(abs(wide[token].logprob - half[token].logprob))
+    # bf16 keeps 8 mantissa bits: each save rounds the state by up to 2^-9 of its size.
+    assert 0 < max(differences) < 5e-3, max(differences)
+
+
+def test_unknown_ssm_cache_dtype_is_a_clear_error(checkpoint_dir):
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32, bfloat16, float16"):
+        LLM(str(checkpoint_dir("qwen3-next")), mamba_ssm_cache_dtype="fp8")
+
+
 def test_progress_bar_shows_token_speeds(qwen3_llm, capsys):
     qwen3_llm.generate(["one", "two"], GREEDY, use_tqdm=True)
     shown = capsys.readouterr().err

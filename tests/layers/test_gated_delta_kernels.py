@@ -153,6 +153,33 @@ def test_delta_kernel_matches_the_reference(step, dtype, heads, snapshots):
     torch.testing.assert_close(device_state.cpu(), expected_state, atol=1e-4, rtol=1e-4)
 
 
+def test_a_bfloat16_state_is_read_widened_and_saved_rounded():
+    """`mamba_ssm_cache_dtype="bfloat16"`: the kernel starts from the stored bf16 state widened
+    to float32, runs each sequence's rows in float32, and rounds only what it saves."""
+    key_heads, value_heads, key_dim, value_dim = GROUPED_HEADS
+    lengths = STEPS["mixed"]
+    num_slots, tokens = 8, sum(lengths)
+    generator = torch.Generator().manual_seed(5)
+    mixed = torch.randn(tokens, 2 * key_heads * key_dim + value_heads * value_dim, generator=generator)
+    a, b = torch.randn(2, tokens, value_heads, generator=generator)
+    a_log, dt_bias = torch.randn(value_heads, generator=generator) * 0.5, torch.randn(value_heads, generator=generator)
+    state = torch.randn(num_slots, value_heads, key_dim, value_dim, generator=generator).to(torch.bfloat16)
+    query_start, slots, reads, saves, has_state = _step(lengths, num_slots, 2, True)
+    expected, expected_state = _reference_delta(
+        mixed, a, b, a_log, dt_bias, state.float(), query_start, slots, reads, saves, has_state, key_heads
+    )
+    device_state = state.to(DEVICE)
+    b_and_a = torch.stack((b, a)).to(DEVICE)
+    got = gated_delta_varlen(
+        mixed.to(DEVICE), b_and_a[1], b_and_a[0], a_log.to(DEVICE), dt_bias.to(DEVICE), device_state,
+        query_start.to(DEVICE), slots.to(DEVICE), has_state.to(DEVICE), key_heads, reads.to(DEVICE), saves.to(DEVICE),
+    )  # fmt: skip
+    assert device_state.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+    # Rounded once when saved: within one bf16 step of the float32 reference state.
+    torch.testing.assert_close(device_state.cpu().float(), expected_state, atol=1e-2, rtol=8e-3)
+
+
 @pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
 def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family):
     """One loaded DeltaNet layer, a step of two decodes (one fresh) and two prefills (one
