@@ -48,6 +48,10 @@ MOE_ROUTE = {
     "experts_ptr": "*i32",
     "routed_scale": "fp32",
 }
+GATED_DELTA = RECURRENT_STEP | {"out_ptr": "*bf16", "scale": "fp32"}
+GATED_DELTA |= {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16"}
+QWEN3_NEXT_DELTA = dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)
+QWEN3_NEXT_DELTA |= dict(DEPENDENT=True)
 CASES = {
     "gemv": (
         gemv._gemv_kernel,
@@ -259,21 +263,11 @@ CASES = {
         RECURRENT_STEP | {"x_ptr": "*bf16", "out_ptr": "*bf16", "prior_ptr": "*bf16", "weight_ptr": "*bf16"},
         dict(WIDTH=3, WIDTH_POW2=4, BLOCK_C=256, DEPENDENT=True),
     ),
-    "gated_delta": (
-        gated_delta_kernels.gated_delta_kernel,
-        RECURRENT_STEP
-        | {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16"}
-        | {"state_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32"},
-        dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)
-        | dict(DEPENDENT=True),
-    ),
+    "gated_delta": (gated_delta_kernels.gated_delta_kernel, GATED_DELTA | {"state_ptr": "*fp32"}, QWEN3_NEXT_DELTA),
     "gated_delta_bf16_state": (  # mamba_ssm_cache_dtype="bfloat16"
         gated_delta_kernels.gated_delta_kernel,
-        RECURRENT_STEP
-        | {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16"}
-        | {"state_ptr": "*bf16", "out_ptr": "*bf16", "scale": "fp32"},
-        dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)
-        | dict(DEPENDENT=True),
+        GATED_DELTA | {"state_ptr": "*bf16"},
+        QWEN3_NEXT_DELTA,
     ),
 }
 
