@@ -369,6 +369,12 @@ def load_rank_model(args: EngineArgs, parallel: TensorParallel, mtp_head: bool =
     default_batch_tokens = 2048 if runtime.name == "cpu" else 8192
     kv_spec, fixed_specs = split_state_groups(spec, dtype, kv_dtype, args.page_size, parallel)
     fixed_specs = with_recurrent_state_dtype(fixed_specs, recurrent_state_dtype(args.mamba_ssm_cache_dtype))
+    if args.mamba_ssm_cache_dtype != "auto" and not any(isinstance(g, RecurrentGroup) for g in fixed_specs.values()):
+        logger.warning(
+            "mamba_ssm_cache_dtype=%r has no effect: %s keeps no recurrent state",
+            args.mamba_ssm_cache_dtype,
+            spec.architecture,
+        )
     return LoadedModel(
         runtime,
         spec,

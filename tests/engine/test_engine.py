@@ -348,9 +348,12 @@ def test_a_bfloat16_recurrent_state_halves_its_bytes_and_stays_close(checkpoint_
     assert 0 < max(differences) < 5e-3, max(differences)
 
 
-def test_unknown_ssm_cache_dtype_is_a_clear_error(checkpoint_dir):
+def test_unknown_ssm_cache_dtype_is_a_clear_error(checkpoint_dir, caplog):
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32, bfloat16, float16"):
         LLM(str(checkpoint_dir("qwen3-next")), mamba_ssm_cache_dtype="fp8")
+    with caplog.at_level("WARNING", logger="kestrel"):  # asked of a model without that state: said so
+        LLM(str(checkpoint_dir("qwen3")), mamba_ssm_cache_dtype="bfloat16")
+    assert "mamba_ssm_cache_dtype='bfloat16' has no effect: Qwen3ForCausalLM keeps no recurrent state" in caplog.text
 
 
 def test_progress_bar_shows_token_speeds(qwen3_llm, capsys):
