@@ -649,8 +649,8 @@ def uses_mtp_head(args: EngineArgs) -> bool:
 
 def draft_model_args(args: EngineArgs) -> EngineArgs:
     """The draft's engine args: the target's, but its own checkpoint (the MTP head comes from
-    the target's), no prefix cache (it catches up on a prompt by computing it) and a KV budget
-    set once the target's is known."""
+    the target's), no prefix cache (it catches up on a prompt by computing it), no recurrent
+    state (a draft is attention-only) and a KV budget set once the target's is known."""
     own_checkpoint = not uses_mtp_head(args)
     return dataclasses.replace(
         args,
@@ -664,6 +664,7 @@ def draft_model_args(args: EngineArgs) -> EngineArgs:
         kv_offloading_size=None,
         speculative_config=None,
         preemption_mode="recompute",
+        mamba_ssm_cache_dtype="auto",
     )
 
 
