@@ -289,6 +289,11 @@ def tokens_by_expert(
 EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
+def stacked_target(part: str) -> str:
+    """The stacked weight a projection part fills: down -> w2, gate and up -> w13."""
+    return "mlp.experts.w2" if part == "down" else "mlp.experts.w13"
+
+
 def expert_mappings(num_experts: int, source_prefix: str, names: dict[str, str]) -> list[PackedMapping]:
     """Checkpoint names `<prefix>.experts.<e>.<name>` -> the stacked weights' shards.
 
@@ -297,6 +302,6 @@ def expert_mappings(num_experts: int, source_prefix: str, names: dict[str, str])
     mappings = []
     for expert in range(num_experts):
         for name, part in names.items():
-            target = "mlp.experts.w2" if part == "down" else "mlp.experts.w13"
-            mappings.append(PackedMapping(f"{source_prefix}.experts.{expert}.{name}", target, f"{expert}:{part}"))
+            source = f"{source_prefix}.experts.{expert}.{name}"
+            mappings.append(PackedMapping(source, stacked_target(part), f"{expert}:{part}"))
     return mappings

@@ -38,7 +38,7 @@ from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBin
 from kestrel.layers import ops
 from kestrel.layers.embedding import VocabParallelEmbedding, vocab_rows
 from kestrel.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice
-from kestrel.layers.moe import EXPERT_PROJECTIONS, SparseMoe, append_always_on, expert_mappings
+from kestrel.layers.moe import EXPERT_PROJECTIONS, SparseMoe, append_always_on, expert_mappings, stacked_target
 from kestrel.layers.norm import RMSNorm
 from kestrel.models.dense import (
     MLP_MAPPINGS,
@@ -368,11 +368,7 @@ class DeepseekRecipe:
         if not spec.moe:
             return ()
         shared = tuple(
-            PackedMapping(
-                f"mlp.shared_experts.{name}",
-                "mlp.experts.w2" if part == "down" else "mlp.experts.w13",
-                f"shared:{part}",
-            )
+            PackedMapping(f"mlp.shared_experts.{name}", stacked_target(part), f"shared:{part}")
             for name, part in EXPERT_PROJECTIONS.items()
         )
         return shared + tuple(expert_mappings(spec.moe.num_experts, "mlp", EXPERT_PROJECTIONS))

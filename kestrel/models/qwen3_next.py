@@ -10,7 +10,7 @@ from torch import nn
 
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import PackedMapping, SkippedPrefix, WeightBindings
-from kestrel.layers.moe import EXPERT_PROJECTIONS, expert_mappings
+from kestrel.layers.moe import EXPERT_PROJECTIONS, expert_mappings, stacked_target
 from kestrel.models.dense import read_dense_spec, read_rope
 from kestrel.models.hybrid import HybridForCausalLM, hybrid_bindings
 from kestrel.models.qwen3_moe import read_qwen_moe
@@ -99,8 +99,7 @@ class Qwen3NextRecipe(HybridRecipe):
         if spec.stacks_shared_expert:  # the shared expert is stacked last (SharedExpertMoe)
             shared = spec.moe.num_experts
             for name, part in EXPERT_PROJECTIONS.items():
-                target = "mlp.experts.w2" if part == "down" else "mlp.experts.w13"
-                mappings.append(PackedMapping(f"mlp.shared_expert.{name}", target, f"{shared}:{part}"))
+                mappings.append(PackedMapping(f"mlp.shared_expert.{name}", stacked_target(part), f"{shared}:{part}"))
         return tuple(mappings)
 
 
