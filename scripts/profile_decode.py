@@ -121,6 +121,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1500, help="0 leaves out the long-context batch")
     parser.add_argument("--dummy-config", default="llama-3-8b")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=60)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="the full batch profiled")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,8 +133,10 @@ def main() -> None:
         dtype="bfloat16",
         device="cuda",
         max_model_len=4096,
-        max_num_seqs=256,
+        max_num_seqs=args.max_num_seqs,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
     parts = llm.engine.parts
     graphs = parts.runner.graphs
@@ -165,7 +170,7 @@ def main() -> None:
     (out / "host_profile.txt").write_text(text.getvalue())
     kernel_table(graphs, 1, out / "kernels_batch1.txt")
     report["replay_timeline_1"] = replay_timeline(graphs, 1, out / "timeline_batch1.json")
-    report.update(full_batch_steps(llm, out))
+    report.update(full_batch_steps(llm, out, batch=min(256, args.max_num_seqs)))
 
     if args.context:
         report.update(long_context_batch(graphs, parts, args.context, out))

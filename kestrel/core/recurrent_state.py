@@ -210,25 +210,34 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     # ---- the binder of its own per-step metadata -------------------------------------------
 
     def bind(self, layout: BatchLayout) -> RecurrentMetadata:
-        vectors = self._step_vectors(layout, len(layout.chunks))
+        sequences = self._sequences(layout)
         return self._metadata(
-            layout.num_decodes,
-            tuple(layout.query_start_loc.tolist()),
-            vectors,
-            to_device(vectors, self.device),
-            to_device(layout.query_start_loc.astype(np.int32), self.device),
+            sequences.num_decodes,
+            tuple(sequences.query_start.tolist()),
+            sequences.vectors,
+            to_device(sequences.vectors, self.device),
+            to_device(sequences.query_start.astype(np.int32), self.device),
         )
 
-    def _step_vectors(self, layout: BatchLayout, num_rows: int) -> np.ndarray:
-        """[4, num_rows]: slot, read slot, save slot, has state; padded rows step the scratch
-        slot from zero state."""
-        vectors = np.zeros((4, num_rows), dtype=np.int64)
-        vectors[:3] = self.scratch_id
-        count = len(layout.chunks)
-        if count:
-            vectors[:3, :count] = np.array([_step_ids(chunk.ids_in(self.group)) for chunk in layout.chunks]).T
-        vectors[3, :count] = layout.num_cached > 0
-        return vectors
+    def _sequences(self, layout: BatchLayout) -> StepSequences:
+        """The step's sequences as the recurrence takes them. A verify chunk laid out as
+        one-token rows of its sequence (the runner does so to replay it in the decode graphs)
+        is one sequence again: consecutive rows with the same ids, each starting where the
+        one before ended. The kernels fold its rows in one after another from its read slot,
+        exactly as they would the chunk."""
+        chunks = layout.chunks
+        if not chunks:
+            return StepSequences(np.zeros((4, 0), dtype=np.int64), np.zeros(1, dtype=np.int64), 0)
+        ids = np.array([_step_ids(chunk.ids_in(self.group)) for chunk in chunks]).T
+        continues = (ids[:, 1:] == ids[:, :-1]).all(axis=0) & (layout.num_cached[1:] == layout.seq_lens[:-1])
+        first = np.flatnonzero(np.concatenate(([True], ~continues)))
+        vectors = np.empty((4, len(first)), dtype=np.int64)
+        vectors[:3] = ids[:, first]
+        vectors[3] = layout.num_cached[first] > 0
+        query_start = layout.query_start_loc[np.append(first, len(chunks))]
+        one_token = np.diff(query_start) == 1
+        num_decodes = len(first) if one_token.all() else int(np.argmin(one_token))
+        return StepSequences(vectors, query_start, num_decodes)
 
     @staticmethod
     def _metadata(num_decodes: int, query_start_loc, host, device, query_start) -> RecurrentMetadata:
@@ -258,6 +267,7 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         workspace.reserve(_GRAPH_QUERY_START, max_rows + 1, torch.int32)
         self._graph_query_start = workspace.get(_GRAPH_QUERY_START, (max_rows + 1,), torch.int32)
         self._graph_query_start.copy_(torch.arange(max_rows + 1, dtype=torch.int32))
+        self._graph_rows_chained = False  # whether the query starts hold a chained layout
 
     def capture_metadata(self, num_rows: int) -> RecurrentMetadata:
         host = np.zeros((4, num_rows), dtype=np.int64)
@@ -271,7 +281,33 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         )
 
     def prepare_replay(self, layout: BatchLayout, num_rows: int) -> None:
-        self._graph_vectors[:, :num_rows].copy_(to_device(self._step_vectors(layout, num_rows), self.device))
+        """The graph's `num_rows` entries: the step's sequences (`_sequences`), then each
+        padded row as a sequence of its own on the scratch slot, then, where verify rows were
+        chained, entries of no rows (their programs fold nothing in and write the scratch)."""
+        sequences = self._sequences(layout)
+        count, real_rows = sequences.vectors.shape[1], layout.num_tokens
+        padded = num_rows - real_rows
+        vectors = np.zeros((4, num_rows), dtype=np.int64)
+        vectors[:3] = self.scratch_id
+        vectors[:, :count] = sequences.vectors
+        self._graph_vectors[:, :num_rows].copy_(to_device(vectors, self.device))
+        chained = count < real_rows
+        if chained or self._graph_rows_chained:
+            query_start = np.full(num_rows + 1, num_rows, dtype=np.int32)
+            query_start[:count] = sequences.query_start[:-1]
+            query_start[count : count + padded] = np.arange(real_rows, num_rows)
+            self._graph_query_start[: num_rows + 1].copy_(to_device(query_start, self.device))
+            # Restored to one row per entry at the next replay without chains.
+            self._graph_rows_chained = chained
+
+
+@dataclass(frozen=True)
+class StepSequences:
+    """The sequences one step's recurrent layers fold in, in layout order."""
+
+    vectors: np.ndarray  # [4, sequences]: slot, read slot, save slot, has state
+    query_start: np.ndarray  # [sequences + 1]: the token row where each starts, and the end
+    num_decodes: int  # the leading sequences of one token
 
 
 def chunk_ids(slot: int, read_from: int | None = None, save_to: int | None = None) -> tuple[int, ...]:

@@ -270,8 +270,9 @@ class ModelRunner:
 
     def _fits_graph(self, ordered: list[SequenceWork]) -> bool:
         """Captured graphs cover steps of one-token rows that each sample once: decodes, and
-        verify chunks (every token sampled) laid out as rows of their own, where the paged KV
-        is the only state (a recurrent state folds a sequence's tokens in one after another)."""
+        verify chunks (every token sampled) laid out as rows of their own, where every state
+        group's binder lets a sequence's rows see each other (paged KV: each row stores its
+        keys before any row attends; recurrent state: the rows are folded in one after another)."""
         if self.graphs is None:
             return False
         rows = sum(len(item.token_ids) for item in ordered)
@@ -284,7 +285,7 @@ class ModelRunner:
     def _is_graph_row(self, item: SequenceWork) -> bool:
         if item.is_decode:
             return item.num_samples == 1
-        return item.num_samples == len(item.token_ids) and set(self.groups) == {KV_GROUP}
+        return item.num_samples == len(item.token_ids)
 
     def _run_eager(
         self, layout: BatchLayout, token_ids: list[int], logits_indices: list[int], follows: list[tuple[int, int]]

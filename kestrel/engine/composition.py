@@ -474,24 +474,11 @@ def build_runner(
         what = "capturing CUDA graphs" if runtime.name == "cuda" else f"compiling decode steps of {buckets} rows"
         with log_duration(logger, what):
             graphs.capture()
-        if runtime.graphs_by_default and args.speculative_config is not None and set(groups) != {KV_GROUP}:
-            logger.warning(eager_verify_warning(loaded.spec.architecture, sorted(set(groups) - {KV_GROUP})))
     batch_tokens = loaded.max_num_batched_tokens
     runner = ModelRunner(model, groups, runtime, workspace, batch_tokens, graphs, sampling, parallel)
     with log_duration(logger, "warm-up"):
         warm_up(runner, *runtime.warm_up_size(batch_tokens, args.max_num_seqs), max_model_len)
     return runner
-
-
-def eager_verify_warning(architecture: str, state_groups: list[str]) -> str:
-    """What a user who speculates with a model that keeps state beside its KV pages should
-    know: its verify steps cannot run as decode rows in the captured graphs (a recurrent state
-    takes a sequence's tokens one after another), so they run eagerly, many times slower."""
-    return (
-        f"speculative decoding with {architecture}: its {', '.join(state_groups)} state takes a verify "
-        "chunk's tokens in order, so verify steps run outside the CUDA graphs (eagerly, several times slower "
-        "than a decode step); decode may be slower than without speculation"
-    )
 
 
 def graph_buckets(args: EngineArgs, runtime: DeviceRuntime) -> list[int]:

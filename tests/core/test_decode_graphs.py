@@ -40,36 +40,83 @@ def test_graphs_give_the_same_tokens_and_logprobs_as_eager(checkpoint_dir, batch
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3-next"])
 def test_verify_chunks_as_decode_rows_give_the_chunks_logits(checkpoint_dir, family):
     """The layout the verify steps take in captured graphs: a chunk of q tokens as q
-    one-token rows of one sequence, run here eagerly through the decode path."""
+    one-token rows of one sequence, run here eagerly through the decode path. A hybrid
+    model's recurrent state folds the rows in one after another, as it would the chunk."""
     from kestrel.core.runner import SequenceWork
 
     llm = LLM(str(checkpoint_dir(family)), device="cpu", page_size=4)
-    runner, kv = llm.engine.parts.runner, llm.engine.parts.kv
+    parts = llm.engine.parts
+    runner, kv, recurrent = parts.runner, parts.kv, parts.recurrent
     prompt, verify = list(range(40, 61)), [7, 99, 3, 250, 18]
+
+    def state_ids(request_id: str, tokens: int, tentative: bool = False) -> dict[str, tuple[int, ...]]:
+        """Its recurrent slot; for a tentative chunk, read from the slot and written to a
+        spare, so that the chunk and its rows both start from the same state."""
+        if recurrent is None:
+            return {}
+        if tentative:
+            recurrent.mark_rollback_point(request_id, tokens)
+        return {recurrent.group: tuple(recurrent.reserve(request_id, tokens))}
+
     pages = tuple(kv.reserve("r", len(prompt) + len(verify)))
     greedy = SamplingParams(temperature=0)
-    runner.execute([SequenceWork("r", tuple(prompt), 0, pages, 1, greedy, 0)])
+    runner.execute([SequenceWork("r", tuple(prompt), 0, pages, 1, greedy, 0, state_ids=state_ids("r", 21))])
     # A decode row of another sequence beside it, as in a real verify step.
     other = tuple(kv.reserve("o", 9))
-    runner.execute([SequenceWork("o", tuple(range(8)), 0, other, 1, greedy, 0)])
+    runner.execute([SequenceWork("o", tuple(range(8)), 0, other, 1, greedy, 0, state_ids=state_ids("o", 8))])
     work = [
-        SequenceWork("o", (9,), 8, other, 1, greedy, 0),
-        SequenceWork("r", tuple(verify), len(prompt), pages, len(verify), greedy, 0),
+        SequenceWork("o", (9,), 8, other, 1, greedy, 0, state_ids=state_ids("o", 9, tentative=True)),
+        SequenceWork(
+            "r", tuple(verify), len(prompt), pages, len(verify), greedy, 0, state_ids=state_ids("r", 26, True)
+        ),
     ]
     token_ids, logits_indices, _ = runner._host_inputs(work)
-    results = []
+    results, states = [], []
     with torch.inference_mode():
         for as_rows in (False, True):
             layout = runner._layout(work, verify_as_decode_rows=as_rows)
             assert layout.num_decodes == (1 + len(verify) if as_rows else 1)
             results.append(runner._run_eager(layout, token_ids, logits_indices, [])[1])
+            if recurrent is not None:  # the state the chunk leaves in its spare slot
+                spare = work[1].state_ids[recurrent.group][0]
+                states.append([t.clone() for t in recurrent.unit_state(spare)])
     torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
-    assert runner._is_graph_row(work[1])  # attention-only: verify rows may join the graphs
-    kv.release("r")
-    kv.release("o")
+    for by_rows, by_chunk in zip(*states[::-1]):
+        torch.testing.assert_close(by_rows, by_chunk, atol=1e-5, rtol=1e-5)
+    assert runner._is_graph_row(work[1])  # verify rows may join the graphs
+    for request_id in ("r", "o"):
+        kv.release(request_id)
+        if recurrent is not None:
+            recurrent.release(request_id)
+
+
+def test_chained_verify_rows_replay_as_one_sequence_of_the_recurrent_state(checkpoint_dir):
+    """What a decode graph's recurrent entries hold for a step of one decode row and a verify
+    chunk of three rows, padded to 8: the decode, the chunk as one sequence of three rows
+    from its read slot, the padded rows on the scratch slot, then entries of no rows."""
+    from kestrel.core.batch import BatchLayout, SequenceChunk
+    from kestrel.core.recurrent_state import chunk_ids
+    from kestrel.core.workspace import Workspace
+
+    recurrent = LLM(str(checkpoint_dir("qwen3-next")), device="cpu").engine.parts.recurrent
+    workspace = Workspace(torch.device("cpu"))
+    recurrent.prepare_capture(workspace, recurrent, 8, 4)
+    group, scratch = recurrent.group, recurrent.scratch_id
+    decode = SequenceChunk(1, 5, (0,), {group: (2,)})
+    rows = [SequenceChunk(1, 9 + row, (1,), {group: chunk_ids(4, read_from=3)}) for row in range(3)]
+    recurrent.prepare_replay(BatchLayout((decode, *rows), 4, 16), 8)
+    vectors = recurrent._graph_vectors[:, :8].tolist()
+    assert vectors[0] == [2, 4] + [scratch] * 6  # slot
+    assert vectors[1] == [2, 3] + [scratch] * 6  # read from
+    assert vectors[2] == [2, 4] + [scratch] * 6  # save to
+    assert vectors[3] == [1, 1] + [0] * 6
+    assert recurrent._graph_query_start[:9].tolist() == [0, 1, 4, 5, 6, 7, 8, 8, 8]
+    # The next step of plain decodes gets one row per entry back.
+    recurrent.prepare_replay(BatchLayout((decode,), 1, 16), 8)
+    assert recurrent._graph_query_start[:9].tolist() == list(range(9))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -217,15 +217,28 @@ def test_hybrid_models_speculate_with_the_state_before_a_verify_kept(family, che
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: verify rows join them on CUDA only")
-def test_hybrid_speculation_on_cuda_says_its_verify_steps_run_eagerly(checkpoint_dir, caplog):
-    """A dense model's verify rows run in the decode graphs; a hybrid's cannot, and the user
-    who asks for speculation is told that it may decode slower."""
-    with caplog.at_level("WARNING", logger="kestrel"):
-        LLM(str(checkpoint_dir("qwen3")), device="cuda", speculative_config=NGRAM)
-    assert "outside the CUDA graphs" not in caplog.text
-    with caplog.at_level("WARNING", logger="kestrel"):
-        LLM(str(checkpoint_dir("qwen3-next")), device="cuda", speculative_config=NGRAM)
-    assert "Qwen3NextForCausalLM: its recurrent state takes a verify chunk's tokens in order" in caplog.text
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_hybrid_verify_steps_replay_the_decode_graphs(family, checkpoint_dir):
+    """A hybrid model's verify chunks run as rows of the captured decode graphs (the recurrent
+    state folds each chunk's rows in order): greedy outputs identical to eager plain decoding,
+    with all drafts standing and with some rejected."""
+    from kestrel.bench.speculative import simulated_acceptance_sweep
+
+    path = str(checkpoint_dir(family))
+    common = dict(device="cuda", dtype="float32", page_size=16, kv_cache_memory_gb=0.25, max_num_seqs=16)
+    batch = looping_prompts(4)
+    expected = generate(LLM(path, enforce_eager=True, **common), batch, PARAMS[:4])
+    llm = LLM(path, speculative_config=NGRAM, **common)
+    replays = []
+    graphs = llm.engine.parts.runner.graphs
+    original = graphs.run
+    graphs.run = lambda layout, *a: (replays.append(layout), original(layout, *a))[1]
+    assert_same_outputs(generate(llm, batch, PARAMS[:4]), expected)
+    rows = simulated_acceptance_sweep(llm, looping_prompts(1)[0]["prompt_token_ids"], 24, [1.0, 0.5])
+    assert all(row["same_tokens"] for row in rows[1:]), rows
+    verify_rows = any(a.page_ids == b.page_ids for layout in replays for a, b in zip(layout.chunks, layout.chunks[1:]))
+    assert verify_rows, "no verify step replayed a graph"
+    assert_pool_balanced(llm)
 
 
 def test_hybrid_speculation_under_preemption_keeps_outputs(checkpoint_dir):
