@@ -37,17 +37,17 @@ class BlockedClock:
         self.blocked = 0.0
         launch = executor.launch
 
-        def checked_launch(work):
+        def checked_launch(work, *rest):
             if not sync_debug:
-                return launch(work)
+                return launch(work, *rest)
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                return launch(work)
+                return launch(work, *rest)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
-        def timed_launch(work):
-            pending = checked_launch(work)
+        def timed_launch(work, *rest):
+            pending = checked_launch(work, *rest)
             result = pending.result
 
             def timed_result():

@@ -197,10 +197,13 @@ def qk_norm_rotary(
 
 
 def _key_heads_follow(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether key's heads follow query's in each row of one tensor, at the same strides."""
-    _, num_q_heads, head_dim = query.shape
+    """Whether key's heads follow query's in each row of one tensor, at the same strides.
+    The row stride counts only where there is more than one row: a one-token view takes the
+    stride of its own width (a batch-1 decode step's q and k differ there)."""
+    tokens, num_q_heads, head_dim = query.shape
     adjacent = key.data_ptr() == query.data_ptr() + num_q_heads * head_dim * query.element_size()
-    return adjacent and query.stride() == key.stride()
+    compared = slice(0 if tokens > 1 else 1, None)
+    return adjacent and query.stride()[compared] == key.stride()[compared]
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

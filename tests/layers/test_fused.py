@@ -159,3 +159,13 @@ def test_sigmoid_gate_with_each_heads_gate_beside_its_query(dtype):
     gate = torch.randn(tokens, heads, 2 * dim, dtype=dtype, device=DEVICE).chunk(2, dim=-1)[1]
     x = torch.randn(tokens, heads, dim, dtype=dtype, device=DEVICE)
     close(fused.sigmoid_gate(x, gate), ops.sigmoid_gate(x.cpu(), gate.cpu()).to(DEVICE))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_q_and_k_of_one_projection_take_the_fused_norm_and_rotary(tokens):
+    """A batch-1 decode step's q and k views differ in their row stride (a one-row view takes
+    its own width): they still sit side by side, so the one kernel applies."""
+    qkv = torch.empty(tokens, (8 + 2 + 2) * 16)
+    query, key, _ = qkv.split([8 * 16, 2 * 16, 2 * 16], dim=-1)
+    assert ops._key_heads_follow(query.view(tokens, 8, 16), key.view(tokens, 2, 16))
+    assert not ops._key_heads_follow(query.view(tokens, 8, 16), key.clone().view(tokens, 2, 16))
