@@ -211,6 +211,8 @@ class ModelRunner:
             self.sampler.share_last(self.parallel, self.runtime.device)
         if in_graph:
             logits = self.graphs.run(layout, token_ids, lambda ids: self._take_last_samples(ids, follows))
+            if len(logits_indices) < len(token_ids):  # rows computed again, not sampled (`_is_graph_row`)
+                logits = logits[values_to_device(logits_indices, torch.long, logits.device)]
             hidden = self.graphs.last_hidden_states() if self.keep_hidden_states else None
         else:
             hidden, logits = self._run_eager(layout, token_ids, logits_indices, follows)
@@ -283,9 +285,12 @@ class ModelRunner:
         return all(self._is_graph_row(item) for item in ordered)
 
     def _is_graph_row(self, item: SequenceWork) -> bool:
+        """A decode, or a verify chunk: k drafts and the token before them, each sampled,
+        after any accepted drafts a recurrent state computes again (it rolled back to the
+        chunk before, which they followed)."""
         if item.is_decode:
             return item.num_samples == 1
-        return item.num_samples == len(item.token_ids)
+        return item.num_samples > 1
 
     def _run_eager(
         self, layout: BatchLayout, token_ids: list[int], logits_indices: list[int], follows: list[tuple[int, int]]

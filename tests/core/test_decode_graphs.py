@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -87,6 +89,9 @@ def test_verify_chunks_as_decode_rows_give_the_chunks_logits(checkpoint_dir, fam
     for by_rows, by_chunk in zip(*states[::-1]):
         torch.testing.assert_close(by_rows, by_chunk, atol=1e-5, rtol=1e-5)
     assert runner._is_graph_row(work[1])  # verify rows may join the graphs
+    # So may a verify chunk behind accepted drafts computed again; a prompt chunk may not.
+    assert runner._is_graph_row(dataclasses.replace(work[1], token_ids=(1, 2, *verify)))
+    assert not runner._is_graph_row(dataclasses.replace(work[1], num_samples=1))
     for request_id in ("r", "o"):
         kv.release(request_id)
         if recurrent is not None:
