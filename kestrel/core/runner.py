@@ -204,7 +204,7 @@ class ModelRunner:
         samples; they are filled after the forward pass is queued, while the device runs it."""
         ordered = sorted(work, key=lambda item: not item.is_decode)  # stable: decodes first
         in_graph = self._fits_graph(ordered)
-        layout = self._layout(ordered, verify_as_decode_rows=in_graph)
+        layout = self._layout(ordered, as_decode_rows=in_graph)
         token_ids, logits_indices, rows = self._host_inputs(ordered)
         follows = self._follow_rows(ordered)
         if follows:
@@ -252,15 +252,15 @@ class ModelRunner:
             values_to_device(rows, torch.long, device)
         ]
 
-    def _layout(self, ordered: list[SequenceWork], verify_as_decode_rows: bool = False) -> BatchLayout:
-        """The step's sequences; with `verify_as_decode_rows`, a verify chunk of q tokens is
-        laid out as q one-token rows of the same sequence, row j seeing j more tokens: each
-        row writes its token's keys and values before any row attends, so the rows compute
-        what the chunk would, through the decode path (and its captured graphs)."""
+    def _layout(self, ordered: list[SequenceWork], as_decode_rows: bool = False) -> BatchLayout:
+        """The step's sequences; with `as_decode_rows`, a chunk of q tokens (a verify chunk,
+        say) is laid out as q one-token rows of the same sequence, row j seeing j more tokens:
+        each row writes its token's keys and values before any row attends, so the rows
+        compute what the chunk would, through the decode path (and its captured graphs)."""
         chunks = []
         for item in ordered:
             chunk = item.chunk()
-            if verify_as_decode_rows and item.num_samples > 1:
+            if as_decode_rows and chunk.query_len > 1:
                 first = chunk.num_cached_tokens
                 chunks.extend(
                     SequenceChunk(1, first + row, chunk.page_ids, chunk.state_ids) for row in range(chunk.query_len)
@@ -271,10 +271,10 @@ class ModelRunner:
         return BatchLayout(tuple(chunks), num_decodes, self.page_size)
 
     def _fits_graph(self, ordered: list[SequenceWork]) -> bool:
-        """Captured graphs cover steps of one-token rows that each sample once: decodes, and
-        verify chunks (every token sampled) laid out as rows of their own, where every state
-        group's binder lets a sequence's rows see each other (paged KV: each row stores its
-        keys before any row attends; recurrent state: the rows are folded in one after another)."""
+        """Captured graphs cover steps of one-token rows: decodes, and chunks that sample
+        (`_is_graph_row`) laid out as rows of their own, where every state group's binder lets
+        a sequence's rows see each other (paged KV: each row stores its keys before any row
+        attends; recurrent state: the rows are folded in one after another)."""
         if self.graphs is None:
             return False
         rows = sum(len(item.token_ids) for item in ordered)
@@ -285,12 +285,13 @@ class ModelRunner:
         return all(self._is_graph_row(item) for item in ordered)
 
     def _is_graph_row(self, item: SequenceWork) -> bool:
-        """A decode, or a verify chunk: k drafts and the token before them, each sampled,
-        after any accepted drafts a recurrent state computes again (it rolled back to the
-        chunk before, which they followed)."""
+        """A decode, or a chunk that samples (laid out as rows of its own): a verify chunk,
+        tokens computed again after a recurrent state rolled back (accepted drafts, or the
+        token before rejected ones), or a short prompt's last chunk. A chunk that samples
+        nothing is the head of a long prompt: it runs eagerly."""
         if item.is_decode:
             return item.num_samples == 1
-        return item.num_samples > 1
+        return item.num_samples >= 1
 
     def _run_eager(
         self, layout: BatchLayout, token_ids: list[int], logits_indices: list[int], follows: list[tuple[int, int]]

@@ -79,7 +79,7 @@ def test_verify_chunks_as_decode_rows_give_the_chunks_logits(checkpoint_dir, fam
     results, states = [], []
     with torch.inference_mode():
         for as_rows in (False, True):
-            layout = runner._layout(work, verify_as_decode_rows=as_rows)
+            layout = runner._layout(work, as_decode_rows=as_rows)
             assert layout.num_decodes == (1 + len(verify) if as_rows else 1)
             results.append(runner._run_eager(layout, token_ids, logits_indices, [])[1])
             if recurrent is not None:  # the state the chunk leaves in its spare slot
@@ -89,9 +89,11 @@ def test_verify_chunks_as_decode_rows_give_the_chunks_logits(checkpoint_dir, fam
     for by_rows, by_chunk in zip(*states[::-1]):
         torch.testing.assert_close(by_rows, by_chunk, atol=1e-5, rtol=1e-5)
     assert runner._is_graph_row(work[1])  # verify rows may join the graphs
-    # So may a verify chunk behind accepted drafts computed again; a prompt chunk may not.
+    # So may a verify chunk behind accepted drafts computed again, and a chunk that samples
+    # once; a chunk that samples nothing (the head of a long prompt) may not.
     assert runner._is_graph_row(dataclasses.replace(work[1], token_ids=(1, 2, *verify)))
-    assert not runner._is_graph_row(dataclasses.replace(work[1], num_samples=1))
+    assert runner._is_graph_row(dataclasses.replace(work[1], num_samples=1))
+    assert not runner._is_graph_row(dataclasses.replace(work[1], num_samples=0))
     for request_id in ("r", "o"):
         kv.release(request_id)
         if recurrent is not None:
