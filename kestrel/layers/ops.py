@@ -82,8 +82,8 @@ def linear_rotary(
     tokens, width = out.shape[0], rotation.heads * rotation.head_dim
     heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
     rotated = rotary(heads, rotation.cos, rotation.sin)
-    if not out.is_cuda:  # rotated out of place
-        out[:, :width] = rotated.view(tokens, width)
+    if rotated is not heads:  # rotated out of place: the CPU, or a partial rotary dim on CUDA
+        out[:, :width] = rotated.reshape(tokens, width)
     return out
 
 
