@@ -239,29 +239,54 @@ def with_recurrent_state_dtype(groups: dict[str, StateGroupSpec], dtype: torch.d
 
 
 def build_fixed_pools(
-    groups: dict[str, StateGroupSpec], max_num_seqs: int, num_snapshots: int, device: torch.device
+    groups: dict[str, StateGroupSpec],
+    max_num_seqs: int,
+    num_snapshots: int,
+    device: torch.device,
+    replacing: dict[str, StateProvider] | None = None,
 ) -> dict[str, StateProvider]:
     """One unit per request that may run at once (linear-attention state slots), and the
-    copies of those units the prefix cache may keep."""
-    pools = {}
+    copies of those units the prefix cache may keep. `replacing`: pools built before, freed
+    first (they held no request)."""
+    if replacing:
+        replacing.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        name: group.build(PoolBudget(0, max_num_seqs, device, num_snapshots=num_snapshots))
+        for name, group in groups.items()
+    }
+
+
+def log_fixed_pools(groups: dict[str, StateGroupSpec], units: int, snapshots: int, args: EngineArgs) -> None:
     for name, group in groups.items():
-        pools[name] = group.build(PoolBudget(0, max_num_seqs, device, num_snapshots=num_snapshots))
-        logger.info(
-            "state group %s: %d units and %d snapshots of %.1f MiB",
-            name,
-            max_num_seqs,
-            num_snapshots,
-            group.bytes_per_unit() / (1 << 20),
+        size = group.bytes_per_unit() / (1 << 20)
+        logger.info("state group %s: %d units and %d snapshots of %.1f MiB", name, units, snapshots, size)
+    if args.enable_prefix_caching and groups and not snapshots and args.num_state_snapshots is None:
+        logger.warning(
+            "prefix caching is off for this model: no copy of its recurrent state fits %s of the KV budget "
+            "(set num_state_snapshots to keep some)",
+            f"1/{round(1 / SNAPSHOT_SHARE_OF_KV)}",
         )
-    return pools
 
 
-def num_state_snapshots(args: EngineArgs, fixed_specs: dict[str, StateGroupSpec]) -> int:
+# By default the prefix cache's state snapshots take at most this share of the memory the KV
+# pool would otherwise get: a large hybrid model's state is tens of MB per copy (Qwen3-Next-80B:
+# 75 MB in float32), and one copy per request that may run at once took a third of an H200's
+# KV memory in a throughput run whose prompts shared nothing.
+SNAPSHOT_SHARE_OF_KV = 1 / 8
+
+
+def num_state_snapshots(args: EngineArgs, fixed_specs: dict[str, StateGroupSpec], kv_budget: int) -> int:
     """Copies of the recurrent state kept for the prefix cache: none without caching or
-    without fixed-size state."""
+    without fixed-size state; as asked; else one per request that may run at once, as far as
+    `SNAPSHOT_SHARE_OF_KV` of the KV budget holds them."""
     if not args.enable_prefix_caching or not fixed_specs:
         return 0
-    return args.max_num_seqs if args.num_state_snapshots is None else args.num_state_snapshots
+    if args.num_state_snapshots is not None:
+        return args.num_state_snapshots
+    unit_bytes = sum(spec.bytes_per_unit() for spec in fixed_specs.values())
+    return min(args.max_num_seqs, int(kv_budget * SNAPSHOT_SHARE_OF_KV) // unit_bytes)
 
 
 def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:
@@ -403,8 +428,7 @@ def build_rank(
     fixed_specs = loaded.fixed_specs
     # Speculative decoding: a spare slot per request, where a verify chunk's state goes.
     slots = args.max_num_seqs * (2 if args.speculative_config is not None else 1)
-    fixed = build_fixed_pools(fixed_specs, slots, num_state_snapshots(args, fixed_specs), runtime.device)
-    recurrent = fixed.get(RECURRENT_GROUP)
+    fixed = build_fixed_pools(fixed_specs, slots, 0, runtime.device)
 
     def profile() -> int:
         return profile_activation_bytes(
@@ -413,6 +437,13 @@ def build_rank(
 
     # Every rank must hold the same number of pages: the smallest budget of any rank.
     budget = parallel.min_across_ranks(int(kv_budget_bytes(args, runtime, profile) * kv_share), runtime.device)
+    snapshots = num_state_snapshots(args, fixed_specs, budget)
+    if snapshots:  # the pools again, with their snapshots, out of the KV budget where it was measured
+        fixed = build_fixed_pools(fixed_specs, slots, snapshots, runtime.device, replacing=fixed)
+        if args.kv_cache_memory_gb is None:
+            budget -= snapshots * sum(spec.bytes_per_unit() for spec in fixed_specs.values())
+    log_fixed_pools(fixed_specs, slots, snapshots, args)
+    recurrent = fixed.get(RECURRENT_GROUP)
     kv = PagedKVProvider(
         kv_spec,
         budget,

@@ -115,3 +115,23 @@ def test_hybrid_snapshots_under_pressure_change_nothing_but_speed(checkpoint_dir
     assert recurrent.num_free_snapshots + cache.num_snapshots == recurrent.num_snapshots == 1
     stats = warm.engine.stats()
     assert stats.num_used_pages == stats.num_used_state_slots == 0
+
+
+def test_hybrid_snapshots_by_default_take_a_bounded_share_of_the_kv_budget(checkpoint_dir, caplog):
+    """One snapshot per request that may run at once, as far as an eighth of the KV budget
+    holds them; none (and prefix caching off, said in the log) where not one fits; as many
+    as asked where `num_state_snapshots` is given."""
+    from kestrel.engine.composition import SNAPSHOT_SHARE_OF_KV
+
+    path = str(checkpoint_dir("qwen3-next"))
+    roomy = LLM(path, max_num_seqs=8, kv_cache_memory_gb=0.05)
+    assert roomy.engine.parts.recurrent.num_snapshots == 8
+    unit = roomy.engine.parts.recurrent.spec.bytes_per_slot()
+    tight_gb = 3.5 * unit / SNAPSHOT_SHARE_OF_KV / 2**30  # room for three copies
+    assert LLM(path, max_num_seqs=8, kv_cache_memory_gb=tight_gb).engine.parts.recurrent.num_snapshots == 3
+    with caplog.at_level("WARNING", logger="kestrel"):
+        none = LLM(path, max_num_seqs=8, kv_cache_memory_gb=0.5 * unit / SNAPSHOT_SHARE_OF_KV / 2**30)
+    assert none.engine.parts.recurrent.num_snapshots == 0 and none.engine.parts.kv.prefix_cache is None
+    assert "prefix caching is off for this model" in caplog.text
+    asked = LLM(path, max_num_seqs=8, kv_cache_memory_gb=tight_gb, num_state_snapshots=5)
+    assert asked.engine.parts.recurrent.num_snapshots == 5
