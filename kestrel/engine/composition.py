@@ -272,8 +272,8 @@ def log_fixed_pools(groups: dict[str, StateGroupSpec], units: int, snapshots: in
 
 # By default the prefix cache's state snapshots take at most this share of the memory the KV
 # pool would otherwise get: a large hybrid model's state is tens of MB per copy (Qwen3-Next-80B:
-# 75 MB in float32), and one copy per request that may run at once took a third of an H200's
-# KV memory in a throughput run whose prompts shared nothing.
+# 75 MB in float32), and one copy per request that may run at once took almost a third of an H100's
+# KV and state memory in a throughput run (Qwen3-Next, 512 sequences) whose prompts shared nothing.
 SNAPSHOT_SHARE_OF_KV = 1 / 8
 
 
