@@ -196,8 +196,8 @@ class PrefixCache:
             below = list(self._below(node))
             if below and all(evictable(n.page) for n in below):
                 continue  # its leaves go first; it is pushed again when it becomes one
-            self._remove(node, below)
             freed = [n for n in (node, *below) if evictable(n.page)]
+            self._remove(node, below, freed)
             if self.on_page_evicted is not None:
                 for gone in freed:
                     self.on_page_evicted(gone.page, gone.digest)
@@ -209,14 +209,18 @@ class PrefixCache:
             yield child
             yield from self._below(child)
 
-    def _remove(self, node: _Node, below: list[_Node] = ()) -> None:
+    def _remove(self, node: _Node, below: list[_Node], freed: list[_Node]) -> None:
+        """Take `node` and the nodes `below` it out of the tree. Only the snapshots of the
+        `freed` nodes (pages no request holds) are handed to `on_snapshot_evicted`: a held
+        page's snapshot may be the one a chunk of the step being planned saves to, its state
+        not yet written."""
         parent = node.parent
         del parent.children[node.key]
         for gone in (node, *below):
             del self._by_page[gone.page]
             if gone.snapshot is not None:
                 del self._by_snapshot[gone.snapshot]
-                if self.on_snapshot_evicted is not None:
+                if self.on_snapshot_evicted is not None and gone in freed:
                     self.on_snapshot_evicted(gone.snapshot, gone.digest)
                 if self.on_snapshot_dropped is not None:
                     self.on_snapshot_dropped(gone.snapshot)

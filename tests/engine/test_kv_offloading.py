@@ -92,6 +92,34 @@ def test_offloading_options_that_cannot_be_served_are_named(options, message):
         EngineArgs(model="unused", **options)
 
 
+def test_a_snapshot_whose_state_is_still_being_computed_never_goes_to_host_memory():
+    """`bench prefix`'s hybrid workload, smaller: requests of four 512-token system prompts at
+    once, one device snapshot, a pool so small that admitting one request takes back nodes
+    another still holds, among them the node a chunk of the same step saves its state to.
+    That snapshot is dropped, not copied to the tier half-written (it was, and a later request
+    of that system prompt started from another prompt's state)."""
+    import argparse
+
+    from kestrel.bench.prefix import run_once, workload
+
+    args = argparse.Namespace(
+        model="qwen3-next-tiny",
+        load_format="dummy",
+        kv_cache_memory_gb=0.0005,
+        max_model_len=1024,
+        output_len=16,
+        num_prompts=8,
+        num_systems=4,
+        system_len=512,
+        question_len=32,
+    )
+    prompts = workload(args)
+    _, expected = run_once(args, prompts, enable_prefix_caching=False)
+    report, outputs = run_once(args, prompts, enable_prefix_caching=True, kv_offloading_size=0.5, num_state_snapshots=1)
+    assert outputs == expected
+    assert report["kv_offload_hit_tokens"] > 0
+
+
 @pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
 def test_a_hybrid_models_snapshots_come_back_from_host_memory_too(checkpoint_dir, family):
     """One device snapshot to go round and a pool that must evict: the prefixes' pages and the
