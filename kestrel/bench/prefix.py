@@ -24,6 +24,7 @@ def run_once(args: argparse.Namespace, prompts: list[list[int]], **options) -> t
         load_format=args.load_format,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_model_len=args.max_model_len,
+        num_state_snapshots=getattr(args, "num_state_snapshots", None),
         seed=0,
         **options,
     )
@@ -115,5 +116,11 @@ def add_prefix_bench_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="GiB of host KV tier: compare prefix caching without it against with it",
+    )
+    parser.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        help="hybrid models: copies of the recurrent state the prefix cache may keep (default: the engine's)",
     )
     parser.add_argument("--output-json", default=None)

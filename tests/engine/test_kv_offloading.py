@@ -112,10 +112,11 @@ def test_a_snapshot_whose_state_is_still_being_computed_never_goes_to_host_memor
         num_systems=4,
         system_len=512,
         question_len=32,
+        num_state_snapshots=1,
     )
     prompts = workload(args)
     _, expected = run_once(args, prompts, enable_prefix_caching=False)
-    report, outputs = run_once(args, prompts, enable_prefix_caching=True, kv_offloading_size=0.5, num_state_snapshots=1)
+    report, outputs = run_once(args, prompts, enable_prefix_caching=True, kv_offloading_size=0.5)
     assert outputs == expected
     assert report["kv_offload_hit_tokens"] > 0
 
