@@ -220,11 +220,11 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         )
 
     def _sequences(self, layout: BatchLayout) -> StepSequences:
-        """The step's sequences as the recurrence takes them. A verify chunk laid out as
-        one-token rows of its sequence (the runner does so to replay it in the decode graphs)
-        is one sequence again: consecutive rows with the same ids, each starting where the
-        one before ended. The kernels fold its rows in one after another from its read slot,
-        exactly as they would the chunk."""
+        """The step's sequences as the recurrence takes them. A chunk laid out as one-token
+        rows of its sequence (the runner does so to replay a verify chunk or a short prompt's
+        last chunk in the decode graphs) is one sequence again: consecutive rows with the same
+        ids, each starting where the one before ended. The kernels fold its rows in one after
+        another from its read slot, exactly as they would the chunk."""
         chunks = layout.chunks
         if not chunks:
             return StepSequences(np.zeros((4, 0), dtype=np.int64), np.zeros(1, dtype=np.int64), 0)
@@ -282,8 +282,8 @@ class RecurrentStateProvider(StateProvider, StepBinder):
 
     def prepare_replay(self, layout: BatchLayout, num_rows: int) -> None:
         """The graph's `num_rows` entries: the step's sequences (`_sequences`), then each
-        padded row as a sequence of its own on the scratch slot, then, where verify rows were
-        chained, entries of no rows (their programs fold nothing in and write the scratch)."""
+        padded row as a sequence of its own on the scratch slot, then, where a chunk's rows
+        were chained, entries of no rows (their programs fold nothing in and write the scratch)."""
         sequences = self._sequences(layout)
         count, real_rows = sequences.vectors.shape[1], layout.num_tokens
         padded = num_rows - real_rows
