@@ -271,8 +271,8 @@ class ModelRunner:
         return BatchLayout(tuple(chunks), num_decodes, self.page_size)
 
     def _fits_graph(self, ordered: list[SequenceWork]) -> bool:
-        """Captured graphs cover steps of one-token rows: decodes, and chunks that sample
-        (`_is_graph_row`) laid out as rows of their own, where every state group's binder lets
+        """Captured graphs cover steps of one-token rows: decodes, and the chunks
+        `_is_graph_row` takes, laid out as rows of their own, where every state group's binder lets
         a sequence's rows see each other (paged KV: each row stores its keys before any row
         attends; recurrent state: the rows are folded in one after another)."""
         if self.graphs is None:
@@ -285,13 +285,14 @@ class ModelRunner:
         return all(self._is_graph_row(item) for item in ordered)
 
     def _is_graph_row(self, item: SequenceWork) -> bool:
-        """A decode, or a chunk that samples (laid out as rows of its own): a verify chunk,
-        tokens computed again after a recurrent state rolled back (accepted drafts, or the
-        token before rejected ones), or a short prompt's last chunk. A chunk that samples
-        nothing is the head of a long prompt: it runs eagerly."""
+        """A decode, or a chunk laid out as rows of its own: a verify chunk (behind any
+        accepted drafts computed again after a recurrent state rolled back), or the two tokens
+        computed again after a verify whose drafts all failed (the one before them and the
+        correction). Each row reads its sequence's whole context, so a longer chunk that
+        samples once (a prompt's last chunk) runs eagerly, through the prefill path."""
         if item.is_decode:
             return item.num_samples == 1
-        return item.num_samples >= 1
+        return item.num_samples > 1 or (item.num_samples == 1 and len(item.token_ids) <= 2)
 
     def _run_eager(
         self, layout: BatchLayout, token_ids: list[int], logits_indices: list[int], follows: list[tuple[int, int]]

@@ -89,10 +89,11 @@ def test_verify_chunks_as_decode_rows_give_the_chunks_logits(checkpoint_dir, fam
     for by_rows, by_chunk in zip(*states[::-1]):
         torch.testing.assert_close(by_rows, by_chunk, atol=1e-5, rtol=1e-5)
     assert runner._is_graph_row(work[1])  # verify rows may join the graphs
-    # So may a verify chunk behind accepted drafts computed again, and a chunk that samples
-    # once; a chunk that samples nothing (the head of a long prompt) may not.
+    # So may a verify chunk behind accepted drafts computed again, and the two tokens computed
+    # again after a failed verify; a longer chunk that samples once or not at all may not.
     assert runner._is_graph_row(dataclasses.replace(work[1], token_ids=(1, 2, *verify)))
-    assert runner._is_graph_row(dataclasses.replace(work[1], num_samples=1))
+    assert runner._is_graph_row(dataclasses.replace(work[1], token_ids=(1, 2), num_samples=1))
+    assert not runner._is_graph_row(dataclasses.replace(work[1], num_samples=1))
     assert not runner._is_graph_row(dataclasses.replace(work[1], num_samples=0))
     for request_id in ("r", "o"):
         kv.release(request_id)
