@@ -65,6 +65,9 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     """
 
     supports_graphs = True
+    # Its layers' torch path traces whole for compiled CPU decode steps: decodes batched, ids
+    # read on the device (`hybrid._save` writes the save slots without asking the host).
+    compiles = True
     group = RECURRENT_GROUP
 
     def __init__(self, spec: RecurrentStateSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> None:

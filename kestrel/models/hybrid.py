@@ -295,7 +295,9 @@ def _save(states: torch.Tensor, new: torch.Tensor, meta: RecurrentMetadata, sequ
     differs (a snapshot the prefix cache keeps), in the pool's dtype."""
     new = new.to(states.dtype)
     states[meta.slots[sequences]] = new
-    if meta.save_ids[sequences] != meta.slot_ids[sequences]:
+    # A compiled step cannot read its ids on the host (they change between replays): it
+    # writes the save slots always (the slot again where they are the same).
+    if torch.compiler.is_compiling() or meta.save_ids[sequences] != meta.slot_ids[sequences]:
         states[meta.save_slots[sequences]] = new
 
 

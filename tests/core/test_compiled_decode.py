@@ -19,9 +19,10 @@ PROMPT_LENGTHS = (5, 40, 17)
 
 
 # GPT-OSS: sinks, sliding-window layers and experts (gathered per choice when compiled).
+# Qwen3-Next: recurrent state (its torch path traced whole) beside attention and experts.
 # Llama compiles steps of 1 row too: the compiled steps check no guards, so each must keep
 # to its own size.
-@pytest.mark.parametrize("family, sizes", [("llama", [1, 2]), ("gpt-oss", [2])])
+@pytest.mark.parametrize("family, sizes", [("llama", [1, 2]), ("gpt-oss", [2]), ("qwen3-next", [2])])
 def test_compiled_decode_steps_match_hf(family, sizes, checkpoint_dir):
     path = checkpoint_dir(family)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -108,8 +109,8 @@ def test_compilation_config_refuses_what_it_cannot_do(value, message):
 
 
 def test_models_whose_state_does_not_compile_are_refused_by_name(checkpoint_dir):
-    with pytest.raises(ValueError, match="state groups 'recurrent' .* do not join compiled steps"):
-        LLM(str(checkpoint_dir("qwen3-next")), compilation_config=3, kv_cache_memory_gb=0.05)
+    with pytest.raises(ValueError, match="state groups 'kv' .* do not join compiled steps"):
+        LLM(str(checkpoint_dir("deepseek-v2")), compilation_config=3, kv_cache_memory_gb=0.05)
 
 
 def test_compile_sizes_past_max_num_seqs_are_refused(checkpoint_dir):
@@ -121,3 +122,29 @@ def test_compile_sizes_past_max_num_seqs_are_refused(checkpoint_dir):
 def test_compiled_steps_and_eager_mode_are_not_asked_for_together(checkpoint_dir):
     with pytest.raises(ValueError, match="enforce_eager asks for none"):
         LLM(str(checkpoint_dir("llama")), enforce_eager=True, compilation_config=3, kv_cache_memory_gb=0.05)
+
+
+def test_compiled_hybrid_steps_with_prefix_caching_keep_the_greedy_tokens(checkpoint_dir):
+    """A compiled step cannot ask the host which rows save a snapshot (their ids change between
+    replays): it writes every row's save slot, its own slot where there is none. Conversations
+    whose second turns start from the state snapshots their first turns' prompts left (every
+    16 tokens here), then decode in compiled steps: the same tokens as an engine that caches
+    nothing."""
+    path = str(checkpoint_dir("qwen3-next"))
+    common = dict(dtype="float32", max_num_seqs=2, page_size=8, state_snapshot_interval=16)
+    plain = LLM(path, enable_prefix_caching=False, **common)
+    compiled_steps = {"mode": 3, "compile_sizes": [2]}
+    compiled = LLM(path, compilation_config=compiled_steps, num_state_snapshots=4, kv_cache_memory_gb=0.05, **common)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    first = [list(range(30, 70)), list(range(100, 137))]
+    answers = tokens(compiled, first)
+    assert answers == tokens(plain, first)
+    second = [p + a + [7, 8, 9] for p, a in zip(first, answers)]
+    hits = compiled.engine.stats().prefix_cache_hits
+    assert tokens(compiled, second) == tokens(plain, second)
+    assert compiled.engine.stats().prefix_cache_hits - hits >= 64  # both second turns from a kept state
