@@ -163,7 +163,7 @@ class SparseMoe(nn.Module):
         weights times `routed_scale`. The always-on experts follow where `shared_logits` are
         given (weighted by their sigmoid) or `always_on` is asked for (weighted 1)."""
         num_shared = self.num_always_on if always_on or shared_logits is not None else 0
-        if logits.is_cuda:
+        if ops.runs_kernels(logits):
             from kestrel.layers.fused_moe import route
 
             return route(logits, self.top_k, self.renormalize, dtype, shared_logits, num_shared, routed_scale)
@@ -200,7 +200,7 @@ class SparseMoe(nn.Module):
 
     def mix_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The sum over each token's chosen experts, weighted; fused on CUDA."""
-        if hidden.is_cuda:
+        if ops.runs_kernels(hidden):
             from kestrel.layers.fused_moe import fused_moe
 
             w13, w2 = self.experts.w13, self.experts.w2

@@ -1,11 +1,17 @@
 """Ops with a device-specific implementation: fused Triton kernels on CUDA, oneDNN matmuls
 and plain torch on the CPU.
 
-The one place that chooses between them, by the tensor's device.
+The one place that chooses between them, by the tensor's device (`runs_kernels`). Tests
+may send CPU tensors down the kernel branches too (`kernels_on_cpu`, under Triton's
+interpreter), so the code around each kernel is checked against the torch path in CI, not
+only the kernel.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +28,25 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 _ONEDNN_MIN_ROWS = 16
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take layers/gemv.py
+_kernels_on_cpu = False
+
+
+@contextmanager
+def kernels_on_cpu() -> Iterator[None]:
+    """Tests only: CPU tensors take the ops' Triton branches, run by Triton's interpreter."""
+    global _kernels_on_cpu
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("kernels_on_cpu needs TRITON_INTERPRET=1 (set before Triton is imported)")
+    _kernels_on_cpu = True
+    try:
+        yield
+    finally:
+        _kernels_on_cpu = False
+
+
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether an op on `x` takes its Triton kernel: on CUDA, or on the CPU inside `kernels_on_cpu`."""
+    return x.is_cuda or (_kernels_on_cpu and x.device.type == "cpu")
 
 
 def linear(
@@ -95,7 +120,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
-    if x.is_cuda:
+    if runs_kernels(x):
         from kestrel.layers import fused
 
         return fused.rms_norm(x, weight, eps, residual)
@@ -116,7 +141,7 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [rows, 2 * width] holding gate then up."""
-    if gate_up.is_cuda:
+    if runs_kernels(gate_up):
         from kestrel.layers import fused
 
         return fused.silu_and_mul(gate_up)
@@ -130,7 +155,7 @@ def head_norm_rotary(
 ) -> torch.Tensor:
     """x [tokens, heads, head_dim] RMS-normalised per head, then rotated on its first
     cos.shape[-1] columns (partial rotary too): one kernel on CUDA."""
-    if x.is_cuda and x.stride(-1) == 1:
+    if runs_kernels(x) and x.stride(-1) == 1:
         from kestrel.layers import fused
 
         return fused.head_norm_rotary(x, weight, eps, cos, sin)
@@ -144,7 +169,7 @@ def latent_key(
     the latent RMS-normalised by `weight`, the rope part (cos.shape[-1] wide) rotated; a new
     [tokens, 1, latent + rope]. One kernel on CUDA, where a copy, a norm, a rotary pass and a
     concatenation took four."""
-    if kv.is_cuda and kv.stride(-1) == 1:
+    if runs_kernels(kv) and kv.stride(-1) == 1:
         from kestrel.layers import fused
 
         return fused.latent_key(kv, weight, eps, cos, sin)
@@ -156,7 +181,7 @@ def latent_key(
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """norm(x) * weight * silu(gate) per head of x [tokens, heads, dim]; one kernel on CUDA."""
-    if x.is_cuda and gate.stride(-1) == 1:
+    if runs_kernels(x) and gate.stride(-1) == 1:
         from kestrel.layers import fused
 
         return fused.gated_rms_norm(x, gate, weight, eps)
@@ -166,7 +191,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate) for x [tokens, heads, dim]; one kernel on CUDA."""
-    if x.is_cuda and gate.stride(-1) == 1:
+    if runs_kernels(x) and gate.stride(-1) == 1:
         from kestrel.layers import fused
 
         return fused.sigmoid_gate(x, gate)
@@ -186,7 +211,7 @@ def qk_norm_rotary(
     rotary on both. On CUDA, where the key heads follow the query heads in each row (a qkv
     projection's output) and the rotary dim is the whole head: one in-place kernel."""
     tokens, num_q_heads, head_dim = query.shape
-    if query.is_cuda and _key_heads_follow(query, key) and cos.shape[-1] == head_dim:
+    if runs_kernels(query) and _key_heads_follow(query, key) and cos.shape[-1] == head_dim:
         from kestrel.layers import fused
 
         heads = query.as_strided((tokens, num_q_heads + key.shape[1], head_dim), query.stride())
@@ -209,7 +234,7 @@ def _key_heads_follow(query: torch.Tensor, key: torch.Tensor) -> bool:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] rotated by cos/sin [tokens, rotary_dim] (rotate-half layout)."""
     rotary_dim = cos.shape[-1]
-    if x.is_cuda and rotary_dim == x.shape[-1] and x.stride(-1) == 1:
+    if runs_kernels(x) and rotary_dim == x.shape[-1] and x.stride(-1) == 1:
         from kestrel.layers import fused
 
         return fused.rotary_(x, cos, sin)

@@ -156,7 +156,7 @@ class DeepseekMoe(SparseMoe):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed choices, then the shared experts (weight 1)."""
         routing = self.routing
-        if hidden.is_cuda and routing.scoring == SOFTMAX and routing.num_groups == 1:
+        if ops.runs_kernels(hidden) and routing.scoring == SOFTMAX and routing.num_groups == 1:
             # V2's greedy top-k of a softmax: the fused routing kernel, on the router's logits
             # in the model's dtype (where float32 logits took four launches more).
             return self.pick(self.gate(hidden), hidden.dtype, always_on=True, routed_scale=routing.scaling_factor)

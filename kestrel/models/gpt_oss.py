@@ -109,7 +109,7 @@ class GptOssMoe(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.router(hidden)
-        if hidden.is_cuda:
+        if ops.runs_kernels(hidden):
             # A softmax over the top k logits is the full softmax renormalised over them: the
             # fused routing kernel's (one launch, where top-k and softmax took three).
             from kestrel.layers.fused_moe import route

@@ -182,7 +182,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         mixed, gate, b, a = self.in_proj.split(self.in_proj(hidden))
         state, meta = context.recurrent_state(self.state_index)
-        mix = self.mix_with_kernels if hidden.is_cuda else self.mix_with_torch
+        mix = self.mix_with_kernels if ops.runs_kernels(hidden) else self.mix_with_torch
         out = mix(mixed, a, b, state, meta)
         out = self.norm(out, gate.reshape(out.shape))
         return self.out_proj(out.reshape(hidden.shape[0], self.linear.value_size))

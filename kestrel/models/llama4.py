@@ -160,7 +160,7 @@ class Llama4Moe(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         top, experts = self.router(hidden).topk(self.top_k, dim=-1)
         scores = torch.sigmoid(top.float()).to(hidden.dtype)
-        if hidden.is_cuda:
+        if ops.runs_kernels(hidden):
             from kestrel.layers.fused_moe import ExpertForm, fused_moe
 
             params, form = self.experts, ExpertForm(weights_scale_input=True)
