@@ -69,7 +69,7 @@ TRITON_MODULES = {
     "tests/layers/test_fused.py",
     "tests/layers/test_fused_moe.py",
     "tests/layers/test_gated_delta_kernels.py",
-    "tests/layers/test_ops_kernel_branches.py",
+    "tests/test_kernel_branches.py",
 }
 
 

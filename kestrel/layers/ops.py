@@ -1,22 +1,18 @@
 """Ops with a device-specific implementation: fused Triton kernels on CUDA, oneDNN matmuls
 and plain torch on the CPU.
 
-The one place that chooses between them, by the tensor's device (`runs_kernels`). Tests
-may send CPU tensors down the kernel branches too (`kernels_on_cpu`, under Triton's
-interpreter), so the code around each kernel is checked against the torch path in CI, not
-only the kernel.
+The one place that chooses between them, by the tensor's device (`runs_kernels`: tests
+send CPU tensors down the kernel branches too, core/kernel_branches.py).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kestrel.core.kernel_branches import runs_kernels
 from kestrel.layers.quantized import PackedWeight
 
 # oneDNN's matmul beats the default BLAS path on the CPU from about 16 rows (batched decode
@@ -28,25 +24,6 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 _ONEDNN_MIN_ROWS = 16
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take layers/gemv.py
-_kernels_on_cpu = False
-
-
-@contextmanager
-def kernels_on_cpu() -> Iterator[None]:
-    """Tests only: CPU tensors take the ops' Triton branches, run by Triton's interpreter."""
-    global _kernels_on_cpu
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("kernels_on_cpu needs TRITON_INTERPRET=1 (set before Triton is imported)")
-    _kernels_on_cpu = True
-    try:
-        yield
-    finally:
-        _kernels_on_cpu = False
-
-
-def runs_kernels(x: torch.Tensor) -> bool:
-    """Whether an op on `x` takes its Triton kernel: on CUDA, or on the CPU inside `kernels_on_cpu`."""
-    return x.is_cuda or (_kernels_on_cpu and x.device.type == "cpu")
 
 
 def linear(

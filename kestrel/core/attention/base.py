@@ -18,6 +18,7 @@ import torch
 
 from kestrel.core.batch import BatchLayout
 from kestrel.core.binder import StepBinder
+from kestrel.core.kernel_branches import kernel_devices
 from kestrel.core.metadata import AttentionMetadata
 from kestrel.core.state import FLOAT8_KV_DTYPES, KVLayerCache, KVLayout
 from kestrel.core.workspace import Workspace
@@ -61,6 +62,8 @@ class BackendCapabilities:
     chunked_attention: bool = False  # masks by `AttentionLayerSpec.chunk_size`
     # The pools it reads: LATENT_KV reads values as the keys' leading `latent_dim` dims.
     kv_forms: frozenset[str] = frozenset({SEPARATE_KV})
+    # Its kernels are Triton's: in tests they run on CPU tensors too (core/kernel_branches.py).
+    triton: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,9 @@ class AttentionBackend(StepBinder, ABC):
         """Why this backend cannot serve `needs`; empty when it can."""
         caps = cls.capabilities
         reasons = []
-        if needs.device not in caps.devices:
-            reasons.append(f"device {needs.device} not in {sorted(caps.devices)}")
+        devices = kernel_devices(caps.devices) if caps.triton else caps.devices
+        if needs.device not in devices:
+            reasons.append(f"device {needs.device} not in {sorted(devices)}")
         if needs.dtype not in caps.dtypes:
             reasons.append(f"dtype {needs.dtype} not supported")
         if caps.head_dims is not None and needs.head_dim not in caps.head_dims:

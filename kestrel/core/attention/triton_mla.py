@@ -38,6 +38,7 @@ class TritonMlaBackend(TritonPagedBackend):
     name = "triton_mla"
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda"}),
+        triton=True,
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         head_dims=None,  # latent + rotary dims, each padded to a power of two inside
         sliding_window=False,

@@ -38,6 +38,7 @@ class TritonPagedBackend(PagedAttentionBackend):
     name = "triton"
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda"}),
+        triton=True,
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         head_dims=frozenset({16, 32, 64, 80, 96, 128, 256}),  # tl.dot needs at least 16
         sliding_window=True,

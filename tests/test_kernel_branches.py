@@ -1,0 +1,42 @@
+"""Every family's generation through the Triton branches a GPU takes (the Triton attention
+backends, fused norms, rotary, q/k norms, gates, the MoE's routing and fused experts, the
+gated-delta kernels) against the torch branches and the CPU attention backend, on the CPU
+under Triton's interpreter: `core/kernel_branches.kernels_on_cpu` sends CPU tensors down the
+branches `runs_kernels` chooses. The kernels have tests of their own (test_fused.py and
+others); this checks the code around them, which otherwise runs only on a GPU (a partial
+rotary computed out of place there was never written back, and Phi-3 decoded without rotary
+on CUDA while every CPU test passed: with its branch chosen by `runs_kernels`, this test
+fails on that code)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.core.kernel_branches import kernels_on_cpu
+from tests.checkpoints import FAMILIES
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the CUDA branches run natively on a GPU (test_hf_parity.py there)",
+)
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+PROMPTS = [{"prompt_token_ids": list(range(30, 41))}, {"prompt_token_ids": [7]}]
+OPTIONS = dict(dtype="float32", page_size=16, kv_cache_memory_gb=0.02)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_kernel_branches_compute_what_the_torch_branches_do(family, checkpoint_dir):
+    path = str(checkpoint_dir(family))
+    expected = LLM(path, **OPTIONS).generate(PROMPTS, PARAMS, use_tqdm=False)
+    with kernels_on_cpu():
+        llm = LLM(path, **OPTIONS)
+        assert llm.engine.parts.runner.groups["kv"].binder.name.startswith("triton")
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
