@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.decode_graphs import decode_buckets
+from kestrel.core.kernel_branches import kernels_on_cpu
 
 
 def test_buckets_cover_every_batch_size_up_to_the_limit():
@@ -42,15 +45,25 @@ def test_graphs_give_the_same_tokens_and_logprobs_as_eager(checkpoint_dir, batch
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3-next"])
-def test_verify_chunks_as_decode_rows_give_the_chunks_logits(checkpoint_dir, family):
+def test_verify_chunks_as_decode_rows_give_the_chunks_logits(checkpoint_dir, family, kernels):
     """The layout the verify steps take in captured graphs: a chunk of q tokens as q
     one-token rows of one sequence, run here eagerly through the decode path. A hybrid
-    model's recurrent state folds the rows in one after another, as it would the chunk."""
+    model's recurrent state folds the rows in one after another, as it would the chunk.
+    `triton`: through the GPU's Triton attention backend and kernels, under the interpreter."""
+    if kernels and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton branches on CPU tensors need Triton's interpreter")
+    with kernels_on_cpu() if kernels else contextlib.nullcontext():
+        check_verify_rows(checkpoint_dir, family, kernels)
+
+
+def check_verify_rows(checkpoint_dir, family: str, kernels: bool) -> None:
     from kestrel.core.runner import SequenceWork
 
-    llm = LLM(str(checkpoint_dir(family)), device="cpu", page_size=4)
+    llm = LLM(str(checkpoint_dir(family)), device="cpu", page_size=16 if kernels else 4)
     parts = llm.engine.parts
+    assert parts.runner.groups["kv"].binder.name.startswith("triton") == kernels
     runner, kv, recurrent = parts.runner, parts.kv, parts.recurrent
     prompt, verify = list(range(40, 61)), [7, 99, 3, 250, 18]
 
