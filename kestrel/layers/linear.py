@@ -41,7 +41,7 @@ class Linear(nn.Module):
         dispatches on it. The packed tensors stay registered as parameters, so what counts
         weight bytes sees them."""
         if method == INT4:
-            packed = quantize_int4_cuda(self.weight) if self.weight.is_cuda else quantize_int4(self.weight)
+            packed = quantize_int4_cuda(self.weight) if ops.runs_kernels(self.weight) else quantize_int4(self.weight)
         else:
             packed = quantize_fp8(self.weight)
         del self.weight

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.core.kernel_branches import runs_kernels
+
 logger = logging.getLogger("kestrel")
 
 INT4 = "int4"
@@ -158,7 +160,7 @@ class Fp8Weight:
         return tuple(self.values.shape)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.is_cuda:
+        if runs_kernels(x):
             from kestrel.layers.fp8_matmul import fp8_linear
 
             return fp8_linear(x, self.values, self.scales, bias)
@@ -174,7 +176,7 @@ def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     rows = weight.detach().float()
     scales = (rows.abs().amax(dim=1) / E4M3_MAX).clamp(min=FP8_MIN_SCALE)
     values = (rows / scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    reference = None if weight.is_cuda else (values.float() * scales[:, None]).to(weight.dtype)
+    reference = None if runs_kernels(weight) else (values.float() * scales[:, None]).to(weight.dtype)
     return Fp8Weight(values, scales, reference)
 
 
@@ -253,8 +255,8 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     from kestrel.layers.linear import Linear
     from kestrel.layers.moe import SparseMoe
 
-    on_cuda = next(model.parameters()).is_cuda
-    takes = fp8_packable if method == FP8 else (int4_cuda_packable if on_cuda else packable)
+    kernels = runs_kernels(next(model.parameters()))
+    takes = fp8_packable if method == FP8 else (int4_cuda_packable if kernels else packable)
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.quantizable and takes(module.out_features, module.in_features):
