@@ -57,3 +57,30 @@ def test_float8_weights_take_the_kernels_the_cpu_path_mirrors(family, checkpoint
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
         for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
             assert all(abs(a[t].logprob - b[t].logprob) < 0.3 for t in a.keys() & b.keys())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_4bit_weights_take_the_kernels_that_multiply_by_their_dequantized_values(family, checkpoint_dir):
+    """`--quantization int4` through the CUDA layout and kernels (groups of 128, the one-row
+    matvec and the tiled matmul) against the same model whose weights are those 4-bit values
+    dequantized, in float32."""
+    from kestrel.layers.linear import Linear
+    from kestrel.layers.quantized import Int4CudaWeight, dequantize_int4_cuda, int4_cuda_packable, quantize_int4_cuda
+
+    path = str(checkpoint_dir(family))
+    dequantized = LLM(path, **OPTIONS)
+    with torch.no_grad():
+        for module in dequantized.engine.parts.runner.model.modules():
+            if isinstance(module, Linear) and module.quantizable and int4_cuda_packable(*module.weight.shape):
+                module.weight.copy_(dequantize_int4_cuda(quantize_int4_cuda(module.weight)))
+    expected = dequantized.generate(PROMPTS, PARAMS, use_tqdm=False)
+    with kernels_on_cpu():
+        llm = LLM(path, quantization="int4", **OPTIONS)
+        modules = llm.engine.parts.runner.model.modules()
+        packed = [m for m in modules if isinstance(getattr(m, "weight", None), Int4CudaWeight)]
+        assert packed, "the model's linears of whole 128-column groups were meant to take the 4-bit layout"
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
