@@ -225,9 +225,9 @@ class RecurrentStateProvider(StateProvider, StepBinder):
     def _sequences(self, layout: BatchLayout) -> StepSequences:
         """The step's sequences as the recurrence takes them. A chunk laid out as one-token
         rows of its sequence (the runner does so to replay a verify chunk in the decode
-        graphs) is one sequence again: consecutive rows with the same
-        ids, each starting where the one before ended. The kernels fold its rows in one after
-        another from its read slot, exactly as they would the chunk."""
+        graphs) is one sequence again: consecutive rows with the same ids, each starting
+        where the one before ended. The kernels fold its rows in one after another from its
+        read slot, exactly as they would the chunk."""
         chunks = layout.chunks
         if not chunks:
             return StepSequences(np.zeros((4, 0), dtype=np.int64), np.zeros(1, dtype=np.int64), 0)

@@ -285,8 +285,12 @@ def num_state_snapshots(args: EngineArgs, fixed_specs: dict[str, StateGroupSpec]
         return 0
     if args.num_state_snapshots is not None:
         return args.num_state_snapshots
-    unit_bytes = sum(spec.bytes_per_unit() for spec in fixed_specs.values())
-    return min(args.max_num_seqs, int(kv_budget * SNAPSHOT_SHARE_OF_KV) // unit_bytes)
+    return min(args.max_num_seqs, int(kv_budget * SNAPSHOT_SHARE_OF_KV) // unit_bytes(fixed_specs))
+
+
+def unit_bytes(fixed_specs: dict[str, StateGroupSpec]) -> int:
+    """The bytes of one unit (a slot or a snapshot) of every fixed-size state group."""
+    return sum(spec.bytes_per_unit() for spec in fixed_specs.values())
 
 
 def resolve_max_model_len(args: EngineArgs, spec: ModelSpec, kv: PagedKVProvider) -> int:
@@ -441,7 +445,7 @@ def build_rank(
     if snapshots:  # the pools again, with their snapshots, out of the KV budget where it was measured
         fixed = build_fixed_pools(fixed_specs, slots, snapshots, runtime.device, replacing=fixed)
         if args.kv_cache_memory_gb is None:
-            budget -= snapshots * sum(spec.bytes_per_unit() for spec in fixed_specs.values())
+            budget -= snapshots * unit_bytes(fixed_specs)
     log_fixed_pools(fixed_specs, slots, snapshots, args)
     recurrent = fixed.get(RECURRENT_GROUP)
     kv = PagedKVProvider(
