@@ -6,7 +6,10 @@ with dependent launch on and off. With --int4, the 4-bit matvec (layers/int4_mat
 decoder shape instead: its autotuned launch and a grid of launches, as 4-bit bytes read per
 second (codes, scales and zeros), beside the bf16 Triton matvec on the same shape.
 
-    python scripts/gemv_bench.py [--sweep | --int4]
+    python scripts/gemv_bench.py [--sweep | --int4] [--dummy-config NAME]
+
+With --dummy-config the shapes are that model's one-row linears (each distinct weight shape
+that declares a `matvec_weight`, with how many layers hold it) instead of Llama-3-8B's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,23 @@ SHAPES = {  # name: (out_features, in_features), Llama-3-8B
 }
 
 
+def model_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """The distinct matvec weight shapes of a built-in dummy shape, built on the meta device."""
+    from kestrel.engine.composition import dummy_hf_config
+    from kestrel.models.registry import recipe_for
+
+    hf_config = dummy_hf_config(name)
+    recipe = recipe_for(hf_config.architectures)
+    with torch.device("meta"):
+        model = recipe.build(recipe.spec(hf_config))
+    counts: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        weight = getattr(module, "matvec_weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            counts[tuple(weight.shape)] = counts.get(tuple(weight.shape), 0) + 1
+    return {f"{n}x{k} ({count})": (n, k) for (n, k), count in counts.items()}
+
+
 def sweep_configs() -> list[triton.Config]:
     configs = []
     for block_n, block_k, warps, stages in itertools.product([1, 2, 4, 8, 16], [512, 1024, 2048, 4096], [4, 8], [1, 3]):
@@ -48,25 +68,28 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time every configuration of a wide grid")
     parser.add_argument("--int4", action="store_true", help="time the 4-bit matvec instead")
+    parser.add_argument("--dummy-config", help="that built-in shape's matvec weights instead of Llama-3-8B's")
     args = parser.parse_args()
+    shapes = model_shapes(args.dummy_config) if args.dummy_config else SHAPES
     if args.int4:
         return int4_matvecs()
     configs = sweep_configs() if args.sweep else []
-    print(f"{'layer':<14}{'cuBLAS TB/s':>12}{'Triton TB/s':>12}  kept")
-    for name, (n, k) in SHAPES.items():
+    print(f"{'layer':<18}{'cuBLAS TB/s':>12}{'Triton TB/s':>12}  kept")
+    for name, (n, k) in shapes.items():
         weights = gemv._weights_beyond_cache(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         cublas = tera_bytes_per_s(x, weights, gemv._cublas)
         triton_tuned = tera_bytes_per_s(x, weights, gemv._triton)
         kept = "triton" if gemv.prefers_gemv(weights[0]) else "cublas"
-        print(f"{name:<14}{cublas:>12.2f}{triton_tuned:>12.2f}  {kept}")
+        print(f"{name:<18}{cublas:>12.2f}{triton_tuned:>12.2f}  {kept}")
         ranked = sorted(
             ((tera_bytes_per_s(x, weights, lambda x, w, c=c: gemv.gemv(x, w, config=c)), c) for c in configs),
             key=lambda pair: -pair[0],
         )
         for rate, config in ranked[:5]:
             print(f"    {rate:.2f} TB/s  {config.kwargs} warps={config.num_warps} stages={config.num_stages}")
-    fused_matvecs()
+    if not args.dummy_config:
+        fused_matvecs()
 
 
 def int4_matvecs() -> None:

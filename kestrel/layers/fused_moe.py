@@ -582,13 +582,71 @@ def _expert_down_sum_kernel(
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=in_cols)
 
 
+@triton.jit
+def _expert_down_tiled_kernel(
+    activated_ptr,
+    w2_ptr,
+    scales_ptr,
+    bias_ptr,
+    experts_ptr,
+    weights_ptr,
+    out_ptr,
+    hidden,
+    inter,
+    stride_w_expert,
+    stride_w_n,
+    stride_out,
+    stride_scales,
+    stride_bias,
+    WIDTH: tl.constexpr,
+    CHOICES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`_expert_down_sum_kernel`'s sum with all of a token's choices in one tile [CHOICES,
+    BLOCK_N, BLOCK_K] (CHOICES: WIDTH rounded up to a power of two), so the loads of every
+    expert's rows are in flight together rather than one expert after another."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < hidden
+    choices = tl.arange(0, CHOICES)
+    in_choices = choices < WIDTH
+    rows = token * WIDTH + choices
+    wait_for_inputs(DEPENDENT)
+    experts = tl.load(experts_ptr + rows, mask=in_choices, other=0).to(tl.int64)
+    w_rows = w2_ptr + experts[:, None, None] * stride_w_expert + cols[None, :, None] * stride_w_n
+    inputs = activated_ptr + rows[:, None] * inter
+    row_mask = in_choices[:, None, None] & in_cols[None, :, None]
+    dots = tl.zeros((CHOICES, BLOCK_N), dtype=tl.float32)
+    for start in range(0, inter, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + k[None, None, :], mask=row_mask & (k < inter)[None, None, :], other=0.0)
+        x = tl.load(inputs + k[None, :], mask=in_choices[:, None] & (k < inter)[None, :], other=0.0)
+        dots += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
+    both = in_choices[:, None] & in_cols[None, :]
+    if HAS_SCALE:
+        dots *= tl.load(scales_ptr + experts[:, None] * stride_scales + cols[None, :], mask=both, other=0.0)
+    if HAS_BIAS:
+        dots += tl.load(bias_ptr + experts[:, None] * stride_bias + cols[None, :], mask=both, other=0.0).to(tl.float32)
+    if WEIGHTED:
+        dots *= tl.load(weights_ptr + rows, mask=in_choices, other=0.0).to(tl.float32)[:, None]
+    total = tl.sum(dots, axis=0)
+    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=in_cols)
+
+
 @dataclass(frozen=True)
 class MatvecLaunch:
-    """How the expert matvecs tile: output rows per program, and the columns read per load."""
+    """How the expert matvecs tile: output rows per program, and the columns read per load;
+    `tiled` (the down projection only): every choice of a token in one tile."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
+    tiled: bool = False
 
 
 def matvec_launch(outputs: int, columns: int) -> MatvecLaunch:
@@ -642,7 +700,9 @@ def expert_matvecs(
         num_warps=gate_up.num_warps,
         **pdl,
     )
-    _expert_down_sum_kernel[(tokens, triton.cdiv(hidden_size, down.block_n))](
+    down_kernel = _expert_down_tiled_kernel if down.tiled else _expert_down_sum_kernel
+    choices = dict(CHOICES=triton.next_power_of_2(width)) if down.tiled else {}
+    down_kernel[(tokens, triton.cdiv(hidden_size, down.block_n))](
         activated,
         w2,
         w2 if s2 is None else s2,
@@ -661,6 +721,7 @@ def expert_matvecs(
         HAS_SCALE=s2 is not None,
         HAS_BIAS=b2 is not None,
         WEIGHTED=not form.weights_scale_input,
+        **choices,
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,
         num_warps=down.num_warps,
