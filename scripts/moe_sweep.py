@@ -36,9 +36,8 @@ MATVECS = [
 ]
 
 
-# The down projection's sum with every choice of a token in one tile (`MatvecLaunch.tiled`).
-TILED_DOWNS = [
-    MatvecLaunch(n, k, warps, tiled=True)
+DOWNS = [
+    MatvecLaunch(n, k, warps)
     for n, k, warps in [(1, 256, 4), (2, 256, 4), (2, 512, 8), (4, 256, 8), (1, 1024, 4), (2, 1024, 8)]
 ]
 
@@ -47,7 +46,7 @@ def matvec_candidates() -> list:
     """For decode steps whose rows share no expert: (gate/up, down) matvec launch pairs. (Each
     routed row as its own 16-row tile of the grouped matmuls, what they replaced, measured
     slower on an H100: docs/benchmarks.md.)"""
-    return list(itertools.product(MATVECS, MATVECS + TILED_DOWNS))
+    return list(itertools.product(MATVECS, DOWNS))
 
 
 def candidates(tokens: int) -> list[MoeLaunch]:

@@ -146,8 +146,6 @@ def test_rows_that_would_rarely_share_an_expert_are_not_grouped():
         None,
         (MatvecLaunch(4, 16), MatvecLaunch(1, 8)),
         (MatvecLaunch(8, 64), MatvecLaunch(2, 32)),
-        (MatvecLaunch(4, 16), MatvecLaunch(2, 16, tiled=True)),
-        (MatvecLaunch(4, 16), MatvecLaunch(1, 64, tiled=True)),
     ],
 )
 def test_expert_matvecs_sum_each_tokens_experts_as_the_torch_path(launches):
