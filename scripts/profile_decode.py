@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kestrel import LLM, SamplingParams
 from kestrel.bench.trace import device_timeline
-from kestrel.core.batch import BatchLayout, SequenceChunk
+from kestrel.core.batch import KV_GROUP, BatchLayout, SequenceChunk
 from kestrel.core.graph import GraphKey, GraphPhase
 
 
@@ -170,7 +170,7 @@ def main() -> None:
     (out / "host_profile.txt").write_text(text.getvalue())
     kernel_table(graphs, 1, out / "kernels_batch1.txt")
     report["replay_timeline_1"] = replay_timeline(graphs, 1, out / "timeline_batch1.json")
-    report.update(full_batch_steps(llm, out, batch=min(256, args.max_num_seqs)))
+    report.update(full_batch_steps(llm, out, batch=args.max_num_seqs))
 
     if args.context:
         report.update(long_context_batch(graphs, parts, args.context, out))
@@ -180,6 +180,18 @@ def main() -> None:
     (out / "profile.json").write_text(json.dumps(report, indent=2))
 
 
+def other_state_ids(parts, index: int, page_ids: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """A sequence's ids in the state groups besides the KV pages: a recurrent slot of its own
+    (hybrid models), else the same pages."""
+    ids = {}
+    for name, group in parts.groups.items():
+        if name == KV_GROUP:
+            continue
+        slots = group.provider.total_capacity()
+        ids[name] = (index % slots,) if group.provider is parts.recurrent else page_ids
+    return ids
+
+
 def long_context_batch(graphs, parts, context: int, out: Path) -> dict[str, float]:
     """A full batch of long contexts: page tables pointing at real (garbage) pages."""
     report = {}
@@ -187,7 +199,10 @@ def long_context_batch(graphs, parts, context: int, out: Path) -> dict[str, floa
     pages_per_seq = -(-context // page_size)
     size = graphs.buckets[-1]
     table = torch.arange(size * pages_per_seq).view(size, pages_per_seq) % (parts.kv.total_capacity() - 1)
-    chunks = tuple(SequenceChunk(1, context - 1, tuple(row.tolist())) for row in table)
+    chunks = tuple(
+        SequenceChunk(1, context - 1, tuple(row.tolist()), other_state_ids(parts, index, tuple(row.tolist())))
+        for index, row in enumerate(table)
+    )
     layout = BatchLayout(chunks, len(chunks), page_size)
     for group in graphs.groups.values():
         group.binder.prepare_replay(layout, size)
@@ -195,7 +210,9 @@ def long_context_batch(graphs, parts, context: int, out: Path) -> dict[str, floa
     report[f"replay_ms_{size}_ctx{context}"] = replay_ms(graphs, size, 20)
     kernel_table(graphs, size, out / f"kernels_batch{size}.txt")
     report[f"replay_timeline_{size}"] = replay_timeline(graphs, size, out / f"timeline_batch{size}.json")
-    short = BatchLayout(tuple(SequenceChunk(1, 0, (chunk.page_ids[0],)) for chunk in chunks), len(chunks), page_size)
+    short = BatchLayout(
+        tuple(SequenceChunk(1, 0, (chunk.page_ids[0],), chunk.state_ids) for chunk in chunks), len(chunks), page_size
+    )
     for group in graphs.groups.values():
         group.binder.prepare_replay(short, size)
     report[f"replay_ms_{size}_ctx1"] = replay_ms(graphs, size, 20)
