@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=512)
@@ -102,6 +103,7 @@ def main() -> None:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         async_scheduling=args.async_scheduling,
@@ -156,7 +158,7 @@ def main() -> None:
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
         Path(args.profile).write_text(text.getvalue())
     report = {
         "args": vars(args),

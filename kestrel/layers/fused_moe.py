@@ -191,7 +191,8 @@ def route(
     return weights, experts
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("num_rows",))
 def grouped_matmul_kernel(
     a_ptr,
     b_ptr,
@@ -279,7 +280,8 @@ def grouped_matmul_kernel(
     )
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("num_rows",))
 def count_rows_kernel(experts_ptr, counts_ptr, num_rows, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
     """counts[e] += the assignments to expert e among this program's rows."""
     wait_for_inputs(DEPENDENT)
@@ -289,7 +291,8 @@ def count_rows_kernel(experts_ptr, counts_ptr, num_rows, BLOCK: tl.constexpr, DE
     tl.atomic_add(counts_ptr + chosen, 1, mask=inside)
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("num_rows", "capacity"))
 def expert_runs_kernel(
     counts_ptr,
     cursors_ptr,
@@ -330,7 +333,8 @@ def _fill(ptr, begin, end, value, CHUNK: tl.constexpr):
         tl.store(ptr + offs, tl.full((CHUNK,), value, tl.int32), mask=offs < end)
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("num_rows",))
 def place_rows_kernel(experts_ptr, cursors_ptr, row_ids_ptr, num_rows, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
     """Each assignment takes the next free place in its expert's run. The order inside a run
     is whatever the atomics give: every row is computed alone, so it does not matter."""

@@ -24,8 +24,13 @@ import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 
+# Each sequence's slot ids and start row: rows of one per-step array (or slices of it), so
+# their 16-byte alignment changes with the step's sequence count. Triton would compile a
+# variant per alignment, stalling serving mid-run; these loads are tiny, so it need not know.
+STEP_VECTORS = ("query_start_ptr", "slots_ptr", "read_slots_ptr", "save_slots_ptr", "has_state_ptr")
 
-@triton.jit
+
+@triton.jit(do_not_specialize_on_alignment=STEP_VECTORS)
 def causal_conv_kernel(
     x_ptr,
     stride_x,
@@ -131,7 +136,7 @@ def causal_conv_varlen(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=STEP_VECTORS)
 def gated_delta_kernel(
     mixed_ptr,
     stride_mixed,

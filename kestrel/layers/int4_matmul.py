@@ -102,7 +102,8 @@ def int4_gemv_kernel(
 _tuned_gemv_kernel = triton.autotune(configs=GEMV_CONFIGS, key=["N", "K"])(int4_gemv_kernel)
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("M",))
 def int4_matmul_kernel(
     a_ptr,
     codes_ptr,

@@ -287,6 +287,8 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
 
 # A quarter of its layers: fits an 80 GB GPU (H100) with a KV pool.
 DUMMY_CONFIGS["qwen3-next-80b-a3b-12l"] = dict(DUMMY_CONFIGS["qwen3-next-80b-a3b-24l"], num_hidden_layers=12)
+# Half its layers: its throughput runs fit an 80 GB GPU (H100), whose pool the whole model leaves too small.
+DUMMY_CONFIGS["qwen3-30b-a3b-24l"] = dict(DUMMY_CONFIGS["qwen3-30b-a3b"], num_hidden_layers=24)
 
 
 def dummy_hf_config(name: str) -> Any:

@@ -197,7 +197,8 @@ def _attend_range(
     return acc, row_max, row_sum
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("stride_page_table", "num_splits"))
 def decode_kernel(
     query_ptr,
     key_cache_ptr,
@@ -321,7 +322,8 @@ def decode_kernel(
         )
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("num_splits",))
 def combine_splits_kernel(
     partial_out_ptr,
     partial_lse_ptr,
@@ -357,7 +359,8 @@ def combine_splits_kernel(
     )
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("stride_page_table",))
 def prefill_kernel(
     query_ptr,
     key_cache_ptr,

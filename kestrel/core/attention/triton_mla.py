@@ -148,7 +148,8 @@ def mla_decode_attention(
         )
 
 
-@triton.jit
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("stride_page_table", "num_splits"))
 def mla_decode_kernel(
     query_ptr,
     cache_ptr,
