@@ -46,7 +46,7 @@ def main() -> None:
     late: list[dict] = []
 
     def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
-        late.append({"kernel": fn.name, "specialisation": repr})
+        late.append({"kernel": fn.name, "specialisation": f"{compile['constants']} {compile['configs']}"})
 
     triton.knobs.runtime.jit_post_compile_hook = record
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=0)
@@ -57,7 +57,7 @@ def main() -> None:
     triton.knobs.runtime.jit_post_compile_hook = None
     print(f"{len(late)} kernels compiled after start-up, in a run of {seconds:.1f} s")
     for entry in late:
-        print(f"  {entry['specialisation'][:400]}")
+        print(f"  {entry['kernel']}: {entry['specialisation'][:1500]}")
     if args.out:
         with open(args.out, "w") as file:
             json.dump(late, file, indent=1)

@@ -7,6 +7,8 @@ for any of that. It reserves and releases state through the providers like any r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kestrel.core.batch import KV_GROUP
 from kestrel.core.runner import ModelRunner, SequenceWork
 from kestrel.core.state import OutOfPagesError
@@ -17,14 +19,23 @@ WARM_UP_PREFIX = "warm-up-"  # the warm-up runs before any request exists, so id
 WARM_UP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def warm_up(runner: ModelRunner, num_tokens: int, num_seqs: int, max_seq_len: int) -> None:
-    """A full prefill budget, then a full decode batch, as far as the state pools hold them."""
-    seq_len = max(1, min(max_seq_len, WARM_UP_SEQ_LEN, num_tokens))
-    prefills = [seq_len] * min(num_tokens // seq_len, num_seqs)
+def warm_up(
+    runner: ModelRunner, num_tokens: int, num_seqs: int, max_seq_len: int, smaller_prefills: Sequence[int] = ()
+) -> None:
+    """A full prefill budget, then a full decode batch, as far as the state pools hold them;
+    then a prefill step of each of `smaller_prefills` tokens (the runtime's choice: see
+    `DeviceRuntime.warm_up_smaller_prefills`)."""
     decodes = [1] * min(num_seqs, num_tokens)  # every step keeps to the token budget
-    for step in (prefills, decodes):
+    for step in (_prefills(num_tokens, num_seqs, max_seq_len), decodes):
         if step:
             _throwaway_step(runner, step)
+    for tokens in smaller_prefills:
+        _throwaway_step(runner, _prefills(tokens, num_seqs, max_seq_len))
+
+
+def _prefills(num_tokens: int, num_seqs: int, max_seq_len: int) -> list[int]:
+    seq_len = max(1, min(max_seq_len, WARM_UP_SEQ_LEN, num_tokens))
+    return [seq_len] * min(num_tokens // seq_len, num_seqs)
 
 
 def _throwaway_step(runner: ModelRunner, lengths: list[int]) -> None:

@@ -512,7 +512,8 @@ def build_runner(
     batch_tokens = loaded.max_num_batched_tokens
     runner = ModelRunner(model, groups, runtime, workspace, batch_tokens, graphs, sampling, parallel)
     with log_duration(logger, "warm-up"):
-        warm_up(runner, *runtime.warm_up_size(batch_tokens, args.max_num_seqs), max_model_len)
+        tokens, seqs = runtime.warm_up_size(batch_tokens, args.max_num_seqs)
+        warm_up(runner, tokens, seqs, max_model_len, runtime.warm_up_smaller_prefills(tokens))
     return runner
 
 

@@ -30,7 +30,7 @@ def test_mixed_steps_of_any_shape_compile_nothing_after_start_up(checkpoint_dir,
     compiled: list[str] = []
 
     def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
-        compiled.append(repr.split("(")[0])
+        compiled.append(f"{fn.name} {compile['constants']} {compile['signature']} {compile['configs']}")
 
     prompts = [list(range(3, 3 + length)) for length in (37, 101, 5, 250, 64, 17, 131, 9, 77)]
     params = [SamplingParams(temperature=0, max_tokens=3 + 5 * index, ignore_eos=True) for index in range(len(prompts))]

@@ -80,6 +80,10 @@ class DeviceRuntime(ABC):
         planner may send, which compiles every kernel shape and sizes the activations."""
         return max_num_batched_tokens, max_num_seqs
 
+    def warm_up_smaller_prefills(self, num_tokens: int) -> list[int]:
+        """Token counts of further warm-up prefill steps below `num_tokens`: none by default."""
+        return []
+
     def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
         """Start copying `tensors` to the host behind the work queued so far; the host does
         not wait until `wait()` is called on the result."""

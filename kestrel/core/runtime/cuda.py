@@ -25,6 +25,9 @@ class _CudaHostTransfer(HostTransfer):
         return super().wait()
 
 
+MIN_WARM_UP_PREFILL = 16  # smaller steps take launches the decode graphs compiled when captured
+
+
 class CudaRuntime(DeviceRuntime):
     name = "cuda"
     supports_graphs = True
@@ -60,6 +63,17 @@ class CudaRuntime(DeviceRuntime):
 
     def distributed_backend(self) -> str:
         return "nccl"
+
+    def warm_up_smaller_prefills(self, num_tokens: int) -> list[int]:
+        """Halving down to MIN_WARM_UP_PREFILL tokens. Triton compiles a kernel once per launch
+        shape, and some layers choose theirs by a step's size (the fused MoE's launch table,
+        by rows per expert, each entry spanning more than a factor of two), so these steps
+        compile every launch a real step may take before the first request, not during one
+        (a stall of a second or more each)."""
+        sizes = [num_tokens // 2]
+        while sizes[-1] // 2 >= MIN_WARM_UP_PREFILL:
+            sizes.append(sizes[-1] // 2)
+        return [size for size in sizes if size >= MIN_WARM_UP_PREFILL]
 
     def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
         return _CudaHostTransfer(tensors)
