@@ -31,7 +31,8 @@ from kestrel.core.runtime.dependent_launch import wait_for_inputs
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+# The slot mapping is a per-step array (a row of the graphs' buffer, or its own tensor).
+@triton.jit(do_not_specialize_on_alignment=("slot_ptr",))
 def store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -197,8 +198,12 @@ def _attend_range(
     return acc, row_max, row_sum
 
 
-# Values that change from step to step: a compiled variant for each would stall serving.
-@triton.jit(do_not_specialize=("stride_page_table", "num_splits"))
+# Values and per-step arrays (whose alignment varies) that change from step to step: a
+# compiled variant for each would stall serving.
+@triton.jit(
+    do_not_specialize=("stride_page_table", "num_splits"),
+    do_not_specialize_on_alignment=("seq_lens_ptr", "page_table_ptr"),
+)
 def decode_kernel(
     query_ptr,
     key_cache_ptr,
@@ -359,8 +364,12 @@ def combine_splits_kernel(
     )
 
 
-# Values that change from step to step: a compiled variant for each would stall serving.
-@triton.jit(do_not_specialize=("stride_page_table",))
+# Values and per-step arrays (whose alignment varies) that change from step to step: a
+# compiled variant for each would stall serving.
+@triton.jit(
+    do_not_specialize=("stride_page_table",),
+    do_not_specialize_on_alignment=("query_start_ptr", "num_cached_ptr", "page_table_ptr"),
+)
 def prefill_kernel(
     query_ptr,
     key_cache_ptr,

@@ -149,7 +149,10 @@ def mla_decode_attention(
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.
-@triton.jit(do_not_specialize=("stride_page_table", "num_splits"))
+@triton.jit(
+    do_not_specialize=("stride_page_table", "num_splits"),
+    do_not_specialize_on_alignment=("seq_lens_ptr", "page_table_ptr"),
+)
 def mla_decode_kernel(
     query_ptr,
     cache_ptr,
