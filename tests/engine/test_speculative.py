@@ -119,6 +119,9 @@ def test_greedy_outputs_identical_with_speculation(family, checkpoint_dir):
     # The tiny random Llama 4 does not repeat these prompts, so its drafts are checked and
     # rejected (rollback exercised); every other family accepts some.
     assert stats.spec_decode_num_accepted_tokens > 0 or family == "llama4"
+    # Again, from a warm prefix cache.
+    assert_same_outputs(generate(llm, batch, PARAMS), plain)
+    assert llm.engine.stats().prefix_cache_hits > 0
     assert_pool_balanced(llm)
 
 
