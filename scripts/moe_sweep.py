@@ -56,7 +56,7 @@ def candidates(tokens: int) -> list[MoeLaunch]:
     tall = [
         MoeLaunch(m, n, k, warps, stages)
         for m, n, k, warps, stages in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
-    ]
+    ] + [MoeLaunch(m, 256, 64, 8, 3) for m in (64, 128)]  # wide tiles for prefill-sized steps
     return (short if tokens <= 256 else []) + (tall if tokens >= 32 else [])
 
 
