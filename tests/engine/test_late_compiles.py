@@ -13,11 +13,12 @@ import torch
 import triton
 
 from kestrel import LLM, SamplingParams
+from tests.checkpoints import FAMILIES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles Triton kernels for a GPU")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "qwen3-next"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_steps_of_any_shape_compile_nothing_after_start_up(checkpoint_dir, family):
     llm = LLM(
         str(checkpoint_dir(family)),
