@@ -14,6 +14,7 @@ from kestrel import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime.base import DeviceRuntime
 from kestrel.core.runtime.cpu import CpuRuntime
+from kestrel.core.runtime.cuda import CudaRuntime
 from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.models.registry import UnsupportedArchitectureError
 from kestrel.weights.checkpoint import MissingWeightsError
@@ -223,12 +224,14 @@ def test_start_up_warm_up_runs_the_largest_steps_and_leaves_nothing_behind(check
     # The CPU runtime sizes its warm-up down: one small prefill, then a small decode batch.
     assert steps == [[32], [1] * 2]
     steps.clear()
-    # The default (CUDA's): the largest steps the planner may send.
+    # CUDA's: the largest steps the planner may send, then prefills halving down to 16 tokens.
     monkeypatch.setattr(CpuRuntime, "warm_up_size", DeviceRuntime.warm_up_size)
+    monkeypatch.setattr(CpuRuntime, "warm_up_smaller_prefills", CudaRuntime.warm_up_smaller_prefills)
     llm = LLM(path, **settings)
     monkeypatch.undo()
-    # A full prefill budget in prompts of at most max_model_len, then a full decode batch.
-    assert steps == [[64], [1] * 12]
+    # A full prefill budget in prompts of at most max_model_len, a full decode batch, then
+    # one prompt of each smaller size.
+    assert steps == [[64], [1] * 12, [48], [24]]
     assert_pool_balanced(llm)
     assert llm.engine.stats().num_cached_pages == 0  # throwaway prompts never enter the prefix cache
     assert not llm.engine.parts.runner.sampler._generators
