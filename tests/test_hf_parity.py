@@ -36,20 +36,37 @@ def hf_greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> tuple[l
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_with_chunked_mixed_batches(family, device, checkpoint_dir):
-    path = checkpoint_dir(family)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
-    prompts = random_prompts()
-    # A 64-token budget splits the longer prompts over several steps while the short
-    # ones already decode, so prefill, decode and mixed steps all occur.
-    # Page size 16 lets CUDA pick the Triton backend; float32 keeps the comparison exact.
-    llm = LLM(
-        str(path), max_num_batched_tokens=64, page_size=16, dtype="float32", device=device, kv_cache_memory_gb=0.25
-    )
+    llm = assert_matches_hf(checkpoint_dir(family), device)
     if device == "cuda":  # the fast path: Triton kernels, decode replayed from CUDA graphs (hybrids too)
         backend = llm.engine.parts.runner.groups["kv"].binder
         assert backend.name == CUDA_BACKENDS.get(family, "triton")
         assert (llm.engine.parts.runner.graphs is not None) == backend.capabilities.cuda_graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the eager path differs from graphs on CUDA only")
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-next", "qwen3.5"])
+def test_greedy_matches_hf_on_cuda_without_graphs(family, checkpoint_dir):
+    llm = assert_matches_hf(checkpoint_dir(family), "cuda", enforce_eager=True)
+    assert llm.engine.parts.runner.graphs is None
+
+
+def assert_matches_hf(path, device: str, **engine_args) -> LLM:
+    """HF's greedy tokens and logprobs within 1e-4 for prompts of 1 to 200 tokens. A 64-token
+    budget splits the longer prompts over several steps while the short ones already decode,
+    so prefill, decode and mixed steps all occur. Page size 16 lets CUDA pick the Triton
+    backend; float32 keeps the comparison exact."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
+    prompts = random_prompts()
+    llm = LLM(
+        str(path),
+        max_num_batched_tokens=64,
+        page_size=16,
+        dtype="float32",
+        device=device,
+        kv_cache_memory_gb=0.25,
+        **engine_args,
+    )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
@@ -62,6 +79,7 @@ def test_greedy_matches_hf_with_chunked_mixed_batches(family, device, checkpoint
     stats = llm.engine.stats()
     assert stats.num_used_pages == stats.num_used_state_slots == 0
     assert stats.num_free_pages + stats.num_cached_pages == stats.num_total_pages
+    return llm
 
 
 def test_prompt_logprobs_match_hf(checkpoint_dir):
@@ -84,7 +102,7 @@ def test_prompt_logprobs_match_hf(checkpoint_dir):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", HYBRID_FAMILIES + ("gemma3",))
+@pytest.mark.parametrize("family", HYBRID_FAMILIES + ("gemma3", "qwen3-moe"))
 def test_greedy_matches_hf_from_a_warm_prefix_cache(family, device, checkpoint_dir):
     """Prompts that share a 70-token prefix, run cold and then again from the cache, give HF's
     tokens both times: a hybrid model's cached prefix starts from a snapshot of its recurrent
