@@ -14,9 +14,8 @@ import argparse
 import json
 import time
 
-import triton
-
 from kestrel import LLM, SamplingParams
+from kestrel.bench.compiles import recorded_compiles
 from kestrel.bench.throughput import random_prompts
 
 
@@ -43,21 +42,15 @@ def main() -> None:
         max_model_len=4096,
         max_num_seqs=args.max_num_seqs,
     )
-    late: list[dict] = []
-
-    def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
-        late.append({"kernel": fn.name, "specialisation": f"{compile['constants']} {compile['configs']}"})
-
-    triton.knobs.runtime.jit_post_compile_hook = record
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=0)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.engine.parts.spec.vocab_size)
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with recorded_compiles() as late:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    triton.knobs.runtime.jit_post_compile_hook = None
     print(f"{len(late)} kernels compiled after start-up, in a run of {seconds:.1f} s")
     for entry in late:
-        print(f"  {entry['kernel']}: {entry['specialisation'][:1500]}")
+        print(f"  {entry[:1500]}")
     if args.out:
         with open(args.out, "w") as file:
             json.dump(late, file, indent=1)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
 from kestrel import LLM, SamplingParams
+from kestrel.bench.compiles import recorded_compiles
 from tests.checkpoints import FAMILIES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles Triton kernels for a GPU")
@@ -28,16 +28,8 @@ def test_mixed_steps_of_any_shape_compile_nothing_after_start_up(checkpoint_dir,
         max_num_batched_tokens=96,
         kv_cache_memory_gb=0.25,
     )
-    compiled: list[str] = []
-
-    def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
-        compiled.append(f"{fn.name} {compile['constants']} {compile['signature']} {compile['configs']}")
-
     prompts = [list(range(3, 3 + length)) for length in (37, 101, 5, 250, 64, 17, 131, 9, 77)]
     params = [SamplingParams(temperature=0, max_tokens=3 + 5 * index, ignore_eos=True) for index in range(len(prompts))]
-    triton.knobs.runtime.jit_post_compile_hook = record
-    try:
+    with recorded_compiles() as compiled:
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = None
     assert compiled == []

@@ -70,10 +70,11 @@ class CudaRuntime(DeviceRuntime):
         by rows per expert, each entry spanning more than a factor of two), so these steps
         compile every launch a real step may take before the first request, not during one
         (a stall of a second or more each)."""
-        sizes = [num_tokens // 2]
-        while sizes[-1] // 2 >= MIN_WARM_UP_PREFILL:
-            sizes.append(sizes[-1] // 2)
-        return [size for size in sizes if size >= MIN_WARM_UP_PREFILL]
+        sizes, size = [], num_tokens // 2
+        while size >= MIN_WARM_UP_PREFILL:
+            sizes.append(size)
+            size //= 2
+        return sizes
 
     def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
         return _CudaHostTransfer(tensors)
