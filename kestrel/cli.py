@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 from typing import Any
 
 from kestrel.engine.options import add_engine_options, engine_kwargs
@@ -60,8 +61,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of the formats the model writes)")
     if args.kv_role is not None and args.tensor_parallel_size > 1:
         raise ValueError("--kv-role hands over rank 0's state only; it does not run with tensor parallelism yet")
+    if args.tokenizer is None and is_builtin_shape(args.model, args.load_format):
+        args.tokenizer = str(numbered_tokenizer(args.model))
+    if args.kv_buffer_device != "cpu" and args.kv_role != "prefill":
+        raise ValueError("--kv-buffer-device says where a prefill instance keeps its state; it needs --kv-role prefill")
+    engine_args = EngineArgs(model=args.model, **engine_kwargs(args), kv_buffer_device=args.kv_buffer_device)
     try:
-        asyncio.run(serve(args, EngineArgs(model=args.model, **engine_kwargs(args))))
+        asyncio.run(serve(args, engine_args))
     except EngineDeadError as error:  # the core could not start: say why, without a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -69,6 +75,26 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def is_builtin_shape(model: str, load_format: str) -> bool:
+    from kestrel.models.dummy_configs import DUMMY_CONFIGS
+
+    return load_format == "dummy" and model in DUMMY_CONFIGS and not Path(model).exists()
+
+
+def numbered_tokenizer(name: str) -> Path:
+    """A built-in shape has no tokenizer; a server needs one: `<id>` per token, in a folder of
+    its own (removed at exit) that the engine core loads too."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from kestrel.models.dummy_configs import write_numbered_tokenizer
+
+    directory = Path(tempfile.mkdtemp(prefix=f"kestrel-tokenizer-{name}-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return write_numbered_tokenizer(name, directory)
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -69,6 +69,10 @@ class EngineArgs:
     # evicts are kept there and copied back on a prefix hit. Backend: "native" (the only one).
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
+    # Where a prefill request's exported state waits for its decode instance (vLLM's
+    # kv_buffer_device): "cpu", host memory, sent as bytes over TCP; "cuda", left on the GPU
+    # for a decode process on the same host to copy through CUDA IPC (core/cuda_ipc.py).
+    kv_buffer_device: str = "cpu"
     # A thinking model's reasoning markers (vLLM's names: "qwen3", "deepseek_r1"): structured
     # output grammars apply after the reasoning, and the server splits `reasoning_content` out.
     reasoning_parser: str | None = None
@@ -153,6 +157,10 @@ class EngineArgs:
             (
                 self.preemption_mode != "swap" or self.tensor_parallel_size == 1,
                 "preemption_mode='swap' swaps rank 0's state only; with tensor parallelism use 'recompute'",
+            ),
+            (
+                self.kv_buffer_device in ("cpu", "cuda"),
+                f"kv_buffer_device must be 'cpu' or 'cuda', got {self.kv_buffer_device!r}",
             ),
             *self._offloading_checks(),
         ]

@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server.conftest import ServerProcess  # noqa: E402
-from tests.server.test_disaggregation import RouterProcess  # noqa: E402
+from tests.server.conftest import RouterProcess, ServerProcess  # noqa: E402
 
 
 def metric_sum(server: ServerProcess, name: str) -> float:

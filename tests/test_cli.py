@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -122,3 +123,27 @@ def test_a_copied_vllm_serve_line_starts_and_its_flags_work(checkpoint_dir):
         server.stop()
     quantized = kestrel("serve", str(checkpoint_dir("qwen3")), "--port", "0", "--quantization", "marlin")
     assert quantized.returncode == 2 and "quantization='marlin' is not supported yet" in quantized.stderr
+
+
+def test_a_built_in_shape_serves_with_a_numbered_tokenizer():
+    """`kestrel serve SHAPE --load-format dummy` (serving benchmarks on real sizes): one `<id>`
+    piece per token, in and out."""
+    from tests.server.conftest import ServerProcess
+
+    server = ServerProcess(
+        "qwen3-next-tiny", "--load-format", "dummy", "--max-model-len", "256", api_key=None, name_flag=False
+    )
+    try:
+        body = {"model": "qwen3-next-tiny", "prompt": "<5><6><7>", "max_tokens": 5, "ignore_eos": True}
+        answer = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["prompt_tokens"] == 3 and answer["usage"]["completion_tokens"] == 5
+        assert re.fullmatch(r"(<\d+>){5}", answer["choices"][0]["text"])
+    finally:
+        server.stop()
+
+
+def test_kv_buffer_device_belongs_to_a_prefill_instance(checkpoint_dir):
+    run = kestrel("serve", str(checkpoint_dir("qwen3")), "--port", "0", "--kv-buffer-device", "cuda")
+    assert run.returncode == 2
+    assert "--kv-buffer-device" in run.stderr and "--kv-role prefill" in run.stderr
+    assert "Traceback" not in run.stderr

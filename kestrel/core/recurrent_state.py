@@ -188,10 +188,11 @@ class RecurrentStateProvider(StateProvider, StepBinder):
         self._num_tokens[request_id] = 0
         return 0
 
-    def export(self, request_id: str) -> list[torch.Tensor]:
+    def export(self, request_id: str, place: torch.device) -> list[torch.Tensor]:
         slot = self._owned[request_id]
-        return [torch.stack([layer.conv[slot] for layer in self._layers]).cpu()] + [
-            torch.stack([layer.recurrent[slot] for layer in self._layers]).cpu()
+        return [
+            torch.stack([layer.conv[slot] for layer in self._layers]).to(place),
+            torch.stack([layer.recurrent[slot] for layer in self._layers]).to(place),
         ]
 
     def export_layout(self, num_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:

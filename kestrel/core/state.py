@@ -194,8 +194,9 @@ class StateProvider(ABC):
         return None
 
     @abstractmethod
-    def export(self, request_id: str) -> list[torch.Tensor]:
-        """Host copies of the request's state (its units stay owned until `release`)."""
+    def export(self, request_id: str, place: torch.device) -> list[torch.Tensor]:
+        """Copies of the request's state on `place` (host memory, or device memory another
+        process maps); its units stay owned until `release`."""
 
     @abstractmethod
     def import_state(self, request_id: str, num_tokens: int, state: list[torch.Tensor]) -> list[int]:
@@ -322,10 +323,10 @@ class PagedKVProvider(StateProvider):
         self.allocator.truncate(request_id, num_tokens)
         return num_tokens  # keys and values past it are simply overwritten later
 
-    def export(self, request_id: str) -> list[torch.Tensor]:
+    def export(self, request_id: str, place: torch.device) -> list[torch.Tensor]:
         """Every layer's keys and values of the request's pages: [layers, kinds, heads, pages, page, dim]."""
         pages = torch.tensor(self.allocator.pages_of(request_id), dtype=torch.long, device=self._storage.device)
-        return [self._storage.index_select(3, pages).to("cpu", non_blocking=False)]
+        return [self._storage.index_select(3, pages).to(place, non_blocking=False)]
 
     def export_layout(self, num_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         layers, kinds, heads, page_size, head_dim = self.page_shape()

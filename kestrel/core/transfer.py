@@ -1,11 +1,13 @@
 """Transfer: moving a request's state between places (host swap, prefill -> decode instance).
 
-`HostSwap` is the first implementation: it copies everything a request holds in every state
-group (KV pages, recurrent slots) to host memory, and back into freshly reserved units. The
-engine uses it to preempt by swapping rather than recomputing (`preemption_mode="swap"`).
-The same handles carry a prompt's state from a prefill instance to a decode instance: the
-prefill instance exports it, `encode_handle` turns it into bytes for the wire (TCP), and the
-decode instance checks (`check_import`) and imports what `decode_handle` reads back.
+`StateCopy` is the implementation: it copies everything a request holds in every state group
+(KV pages, recurrent slots) out to a place, host memory by default, and back into freshly
+reserved units. The engine uses it to preempt by swapping rather than recomputing
+(`preemption_mode="swap"`). The same handles carry a prompt's state from a prefill instance to
+a decode instance: the prefill instance exports it, and either `encode_handle` turns host
+copies into bytes for the wire (TCP), or the copies stay on the GPU and `core/cuda_ipc.py`
+lends them to a decode process on the same host; the decode instance checks (`check_import`)
+and imports what it read back.
 
 Ownership: `export` leaves the request's units with it (the caller releases them); the
 handle owns the host copies; `import_` reserves new units for the request and fills them.
@@ -48,19 +50,20 @@ class Transfer(Protocol):
         ...
 
 
-class HostSwap:
-    """Swaps request state between the device pools and host memory."""
+class StateCopy:
+    """Copies request state between the device pools and `place`: host memory (a swap, or
+    bytes for another instance) or device memory (lent to another process on the GPU)."""
 
-    location = "host"
-
-    def __init__(self, groups: Mapping[str, StateGroup]) -> None:
+    def __init__(self, groups: Mapping[str, StateGroup], place: torch.device | str = "cpu") -> None:
         self.groups = groups
+        self.place = torch.device(place)
 
     def export(self, request_id: str, num_tokens: int) -> TransferHandle:
         for group in self.groups.values():
             group.provider.rollback(request_id, num_tokens)  # nothing past the computed tokens
-        state = {name: group.provider.export(request_id) for name, group in self.groups.items()}
-        return TransferHandle(request_id, num_tokens, self.location, state)
+        state = {name: group.provider.export(request_id, self.place) for name, group in self.groups.items()}
+        location = "host" if self.place.type == "cpu" else str(self.place)
+        return TransferHandle(request_id, num_tokens, location, state)
 
     def check_import(self, handle: TransferHandle) -> None:
         """Raise ValueError, saying what differs, where the handle's state cannot be imported

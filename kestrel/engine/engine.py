@@ -30,7 +30,7 @@ from kestrel.core.batch import KV_GROUP
 from kestrel.core.planner import Capacity, QueueState, RequestView, ScheduledChunk, StepPlan
 from kestrel.core.runner import PendingStep, SequenceResult, SequenceWork
 from kestrel.core.sampling import SampledToken, TokenLogprobs
-from kestrel.core.transfer import HostSwap, TransferHandle
+from kestrel.core.transfer import StateCopy, TransferHandle
 from kestrel.engine.admission import check_prompt_tokens, resolve_max_tokens
 from kestrel.engine.composition import EngineParts, build_engine_parts
 from kestrel.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -124,7 +124,9 @@ class LLMEngine:
         self._overlap = args.async_scheduling
         # Moves requests' state to host memory and back: preempted requests (with
         # preemption_mode "swap"), and prompts handed between prefill and decode instances.
-        self._transfer = HostSwap(self.parts.groups)
+        self._transfer = StateCopy(self.parts.groups)
+        # Where a prefill request's state goes when it finishes (kv_buffer_device).
+        self._exports = StateCopy(self.parts.groups, self._export_place(args))
         self._swap_preempted = args.preemption_mode == "swap"
         self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
         self._in_flight: _InFlightStep | None = None
@@ -218,6 +220,14 @@ class LLMEngine:
             request.num_computed_tokens = imported_state.num_tokens
         self._requests[request_id] = request
         self._waiting.append(request)
+
+    def _export_place(self, args: EngineArgs) -> torch.device:
+        if args.kv_buffer_device == "cpu":
+            return torch.device("cpu")
+        device = self.parts.runtime.device
+        if device.type != "cuda":
+            raise ValueError(f"kv_buffer_device='cuda' keeps exported state on the GPU; this engine runs on {device}")
+        return device
 
     def _check_handoff(self, request: Request, imported: TransferHandle | None) -> None:
         if self.parts.args.tensor_parallel_size > 1:
@@ -581,7 +591,7 @@ class LLMEngine:
         if request in self._waiting:
             self._waiting.remove(request)
         if request.export_state and request.finish_reason == "length":  # computed to the end, not aborted
-            request.exported = self._transfer.export(request.request_id, request.num_computed_tokens)
+            request.exported = self._exports.export(request.request_id, request.num_computed_tokens)
         self._release_pages(request)
         self.parts.executor.release(request.request_id)
         if self.speculation is not None:

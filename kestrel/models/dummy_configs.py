@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -296,3 +297,18 @@ def dummy_hf_config(name: str) -> Any:
 
     fields = dict(DUMMY_CONFIGS[name])
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def write_numbered_tokenizer(name: str, directory: Path) -> Path:
+    """A tokenizer for a built-in shape, which has none: token `<i>` for every id of its
+    vocabulary, so a server on random weights streams text whose pieces map one to one onto
+    tokens (serving benchmarks count them). Written to `directory`, returned."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{index}>": index for index in range(DUMMY_CONFIGS[name]["vocab_size"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern=">", behavior="merged_with_previous")
+    core.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<0>").save_pretrained(directory)
+    return directory

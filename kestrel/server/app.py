@@ -124,6 +124,12 @@ def build_app(state: ServerState) -> FastAPI:
         """A prefilled state, once, for the decode instance (server/disaggregation.py)."""
         return Response(state.transfers.take(transfer_id), media_type="application/octet-stream")
 
+    @app.delete("/v1/kv_transfer/{transfer_id}", dependencies=[Depends(require_key)])
+    async def kv_transfer_release(transfer_id: str) -> dict:
+        """The decode instance has copied a state lent on this GPU (or no longer wants it)."""
+        state.transfers.release(transfer_id)
+        return {"id": transfer_id, "released": True}
+
     @app.post("/v1/messages", dependencies=[Depends(require_key)])
     async def messages(body: MessagesRequest, request: Request) -> Response:
         return await create_message(state, body, request)
@@ -281,7 +287,7 @@ async def _prefill_for_decode(
             raise ApiError(
                 503, f"the prefill ended before its state was handed out ({result.finish_reason})", "Aborted"
             )
-        transfer_id = state.transfers.put(result.kv_state)
+        transfer_id = state.transfers.put(result.kv_state, result.kv_export_id)
     return JSONResponse(
         {
             "id": f"prefill-{generation.request_id}",

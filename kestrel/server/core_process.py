@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 
 from kestrel.config import EngineArgs
-from kestrel.core.transfer import decode_handle, encode_handle
+from kestrel.core.cuda_ipc import SharedExports, is_shared_state, open_shared_state
+from kestrel.core.transfer import TransferHandle, decode_handle, encode_handle
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.outputs import RequestOutput
 from kestrel.sampling_params import RequestOutputKind
@@ -21,6 +22,7 @@ from kestrel.server.messages import (
     CoreFailed,
     CoreReady,
     CoreStats,
+    ReleaseExport,
     RequestDelta,
     RequestFailed,
     Shutdown,
@@ -37,6 +39,7 @@ class DeltaTracker:
     start a stop string held back by the engine) into the front end's deltas."""
 
     started: set[str] = field(default_factory=set)
+    shared: SharedExports = field(default_factory=SharedExports)  # exported state kept on the GPU
 
     def track(self, request: AddRequest) -> None:
         self.started.discard(request.request_id)
@@ -47,6 +50,7 @@ class DeltaTracker:
         self.started.add(output.request_id)
         if output.finished:
             self.forget(output.request_id)
+        kv_state, export_id = self._handed_out(output.request_id, output.kv_state)
         return RequestDelta(
             request_id=output.request_id,
             new_token_ids=completion.token_ids,
@@ -56,8 +60,18 @@ class DeltaTracker:
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             queue_seconds=_queue_seconds(output) if first else None,
-            kv_state=encode_handle(output.kv_state) if output.kv_state is not None else None,
+            kv_state=kv_state,
+            kv_export_id=export_id,
         )
+
+    def _handed_out(self, request_id: str, handle: TransferHandle | None) -> tuple[bytes | None, str | None]:
+        """A prefill request's exported state for the front end: bytes that hold it, or, where
+        it stayed on the GPU, bytes that describe it and the id it is kept under."""
+        if handle is None:
+            return None, None
+        if handle.location == "host":
+            return encode_handle(handle), None
+        return self.shared.share(request_id, handle), request_id
 
     def forget(self, request_id: str) -> None:
         self.started.discard(request_id)
@@ -70,9 +84,10 @@ def _queue_seconds(output: RequestOutput) -> float | None:
     return metrics.first_scheduled_time - metrics.arrival_time
 
 
-def _stats(engine: LLMEngine) -> CoreStats:
+def _stats(engine: LLMEngine, shared: SharedExports) -> CoreStats:
     stats = engine.stats()
-    return CoreStats(**{stat.name: getattr(stats, stat.name) for stat in fields(CoreStats)})
+    own = {"kv_lent_bytes": shared.num_bytes}
+    return CoreStats(**{f.name: own[f.name] if f.name in own else getattr(stats, f.name) for f in fields(CoreStats)})
 
 
 def run_engine_core(args: EngineArgs, conn: Connection) -> None:
@@ -107,16 +122,23 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
         if engine.has_unfinished_requests():
             deltas += [tracker.delta(output) for output in engine.step()]
         if deltas or timeout:
-            conn.send(StepResult(tuple(deltas), _stats(engine)))
+            conn.send(StepResult(tuple(deltas), _stats(engine, tracker.shared)))
+
+
+def _imported(engine: LLMEngine, data: bytes | None) -> TransferHandle | None:
+    """The state a decode request starts from: sent as bytes, or lent on the GPU."""
+    if data is None:
+        return None
+    if is_shared_state(data):
+        return open_shared_state(data, engine.parts.runtime.device)
+    return decode_handle(data, location="remote prefill instance")
 
 
 def _handle(engine: LLMEngine, tracker: DeltaTracker, message: object) -> list[RequestFailed | RequestDelta]:
     if isinstance(message, AddRequest):
         try:
             params = message.params.replace(output_kind=RequestOutputKind.DELTA)
-            imported = None
-            if message.imported_state is not None:
-                imported = decode_handle(message.imported_state, location="remote prefill instance")
+            imported = _imported(engine, message.imported_state)
             engine.add_request(
                 message.request_id,
                 message.prompt_token_ids,
@@ -131,5 +153,8 @@ def _handle(engine: LLMEngine, tracker: DeltaTracker, message: object) -> list[R
     if isinstance(message, AbortRequest):
         output = engine.abort_request(message.request_id)
         return [tracker.delta(output)] if output is not None else []
+    if isinstance(message, ReleaseExport):
+        tracker.shared.release(message.export_id)
+        return []
     logger.error("ignoring unknown message %r", message)
     return []

@@ -19,9 +19,11 @@ expired; the decode instance's engine owns what it imports, like any request's s
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from kestrel.server.metrics import ServerMetrics
 from kestrel.server.protocol import ApiError, bad_request
 
 KV_ROLES = ("prefill", "decode")
+logger = logging.getLogger("kestrel.server")
 FETCH_TIMEOUT_SECONDS = 60.0
 
 
@@ -88,19 +91,32 @@ def _remote_prefill(params: dict[str, Any]) -> RemotePrefill:
     return RemotePrefill(f"{scheme}://{host}:{port}", transfer_id if num_tokens > 0 else None, num_tokens)
 
 
+@dataclass
+class _Held:
+    data: bytes  # the state, or (CUDA IPC) its description
+    deadline: float
+    export_id: str | None  # where the state itself stays on this instance's GPU until released
+
+
 class TransferStore:
     """Prefilled state waiting for its decode instance: bytes by transfer id, each kept until
-    fetched once or until it expires."""
+    fetched once or until it expires. State lent on the GPU (`--kv-buffer-device cuda`) is
+    held until the decode instance says it has copied it (`release`) or until it expires;
+    `release_export` then tells the engine core to free it."""
 
-    def __init__(self, timeout_seconds: float, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, timeout_seconds: float, metrics: ServerMetrics, release_export: Callable[[str], None] = lambda _: None
+    ) -> None:
         self.timeout_seconds = timeout_seconds
         self.metrics = metrics
-        self._held: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # oldest first
+        self.release_export = release_export
+        self._held: OrderedDict[str, _Held] = OrderedDict()  # oldest first
+        self._lent: dict[str, _Held] = {}  # fetched, still on the GPU until released
 
-    def put(self, data: bytes) -> str:
+    def put(self, data: bytes, export_id: str | None = None) -> str:
         self.expire()
         transfer_id = secrets.token_hex(16)  # also the right to fetch it: not guessable
-        self._held[transfer_id] = (data, time.monotonic() + self.timeout_seconds)
+        self._held[transfer_id] = _Held(data, time.monotonic() + self.timeout_seconds, export_id)
         self._report()
         return transfer_id
 
@@ -109,21 +125,42 @@ class TransferStore:
         held = self._held.pop(transfer_id, None)
         if held is None:
             raise ApiError(404, f"no prefilled state {transfer_id!r}: unknown, fetched already, or expired", "NotFound")
-        self.metrics.kv_transfer_sent_bytes.labels(self.metrics.model_name).inc(len(held[0]))
+        if held.export_id is not None:
+            self._lent[transfer_id] = _Held(b"", time.monotonic() + self.timeout_seconds, held.export_id)
+        self.metrics.kv_transfer_sent_bytes.labels(self.metrics.model_name).inc(len(held.data))
         self._report()
-        return held[0]
+        return held.data
+
+    def release(self, transfer_id: str) -> None:
+        """The decode instance is done with the state (copied it, or gave up on it)."""
+        held = self._lent.pop(transfer_id, None) or self._held.pop(transfer_id, None)
+        if held is None:
+            raise ApiError(
+                404, f"no prefilled state {transfer_id!r}: unknown, released already, or expired", "NotFound"
+            )
+        self._free(held)
+        self._report()
 
     def expire(self) -> None:
         now = time.monotonic()
-        while self._held and next(iter(self._held.values()))[1] <= now:
-            self._held.popitem(last=False)
+        while self._held and next(iter(self._held.values())).deadline <= now:
+            _, held = self._held.popitem(last=False)
+            self._free(held)
+            self.metrics.kv_transfer_expired.labels(self.metrics.model_name).inc()
+        for transfer_id in [key for key, held in self._lent.items() if held.deadline <= now]:
+            self._free(self._lent.pop(transfer_id))
             self.metrics.kv_transfer_expired.labels(self.metrics.model_name).inc()
         self._report()
+
+    def _free(self, held: _Held) -> None:
+        if held.export_id is not None:
+            self.release_export(held.export_id)
 
     def _report(self) -> None:
         label = self.metrics.model_name
         self.metrics.kv_transfer_pending.labels(label).set(len(self._held))
-        self.metrics.kv_transfer_pending_bytes.labels(label).set(sum(len(data) for data, _ in self._held.values()))
+        self.metrics.kv_transfer_pending_bytes.labels(label).set(sum(len(held.data) for held in self._held.values()))
+        self.metrics.kv_transfer_lent.labels(label).set(len(self._lent))
 
 
 async def fetch_state(remote: RemotePrefill, headers: dict[str, str], metrics: ServerMetrics) -> bytes:
@@ -146,3 +183,17 @@ async def fetch_state(remote: RemotePrefill, headers: dict[str, str], metrics: S
     metrics.kv_transfer_received_bytes.labels(label).inc(len(response.content))
     metrics.kv_transfer_seconds.labels(label).observe(time.monotonic() - start)
     return response.content
+
+
+async def release_state(remote: RemotePrefill, headers: dict[str, str]) -> None:
+    """Tell the prefill instance that state it lent on its GPU is copied (or no longer wanted);
+    a failure is only logged: the state expires there anyway."""
+    try:
+        async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_SECONDS) as client:
+            response = await client.delete(remote.fetch_url(), headers=headers)
+        if response.status_code != 200:
+            logger.warning(
+                "releasing %s answered %d: %s", remote.fetch_url(), response.status_code, response.text[:300]
+            )
+    except httpx.HTTPError as error:
+        logger.warning("could not release %s: %s: %s", remote.fetch_url(), type(error).__name__, error)

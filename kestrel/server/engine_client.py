@@ -17,6 +17,7 @@ from kestrel.server.messages import (
     CoreFailed,
     CoreReady,
     CoreStats,
+    ReleaseExport,
     RequestDelta,
     RequestFailed,
     Shutdown,
@@ -124,6 +125,8 @@ class EngineClient:
             pending = self._pending.get(item.request_id)
             if pending is not None:
                 pending.queue.put_nowait(item)
+            elif isinstance(item, RequestDelta) and item.kv_export_id is not None:
+                self.release_export(item.kv_export_id)  # its requester has left: nobody will fetch it
 
     def _on_core_exit(self) -> None:
         if self.dead_reason is not None:
@@ -173,11 +176,24 @@ class EngineClient:
             del self._pending[request_id]
             if not pending.finished:
                 self.abort(request_id)
+            self._release_unread_exports(pending.queue)
 
     def abort(self, request_id: str) -> None:
         if self.dead_reason is None:
             with contextlib.suppress(OSError):  # the core died meanwhile; the sentinel reports it
                 self._conn.send(AbortRequest(request_id))
+
+    def release_export(self, export_id: str) -> None:
+        """Let the core free state it lent on its GPU (`RequestDelta.kv_export_id`)."""
+        if self.dead_reason is None:
+            with contextlib.suppress(OSError):
+                self._conn.send(ReleaseExport(export_id))
+
+    def _release_unread_exports(self, queue: asyncio.Queue) -> None:
+        while not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, RequestDelta) and item.kv_export_id is not None:
+                self.release_export(item.kv_export_id)
 
     def abort_all(self) -> None:
         for request_id in list(self._pending):

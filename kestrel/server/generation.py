@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.core.cuda_ipc import is_shared_state
 from kestrel.engine import admission
 from kestrel.engine.outputs import PositionLogprobs
 from kestrel.sampling_params import SamplingParams
-from kestrel.server.disaggregation import Handoff, RemoteDecode, RemotePrefill, fetch_state
+from kestrel.server.disaggregation import Handoff, RemoteDecode, RemotePrefill, fetch_state, release_state
 from kestrel.server.engine_client import EngineClient
 from kestrel.server.messages import RequestDelta
 from kestrel.server.metrics import RequestTimer, ServerMetrics
@@ -41,9 +42,11 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     kv_state: bytes | None = None  # a prefill instance's request: the state it hands out
+    kv_export_id: str | None = None  # where that state stays on the GPU until released
 
     def absorb(self, delta: RequestDelta) -> None:
         self.kv_state = delta.kv_state or self.kv_state
+        self.kv_export_id = delta.kv_export_id or self.kv_export_id
         self.text += delta.new_text
         self.token_ids += delta.new_token_ids
         self.logprobs += delta.new_logprobs or []
@@ -88,6 +91,7 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     # Choices sent to the engine so far; the rest hold seats reserved at admission.
     _num_sent: int = field(default=0, init=False)
+    _releases: set[asyncio.Task] = field(default_factory=set, init=False)  # DELETEs in flight
 
     @property
     def num_choices(self) -> int:
@@ -121,8 +125,10 @@ class Generation:
         engine_id = f"{self.request_id}-{index}"
         num_output_tokens = 0
         finish_reason = None
+        borrowed = False  # state lent by a prefill instance's GPU, until this engine has copied it
         try:
             token_ids, export, imported = await self._handoff_inputs(prompt)
+            borrowed = imported is not None and is_shared_state(imported)
             # The generator takes over the request's reserved seat on its first step, which
             # runs before anything can be cancelled: counted only now, so a failed handoff
             # (no state fetched) leaves the seat for `stream` to give back.
@@ -135,6 +141,8 @@ class Generation:
                 export_state=export,
                 imported_state=imported,
             ):
+                if borrowed:  # any answer from the core comes after its copy
+                    borrowed = self._give_back_borrowed()
                 now = time.monotonic()
                 timer.tokens(now, len(delta.new_token_ids), delta.queue_seconds)
                 num_output_tokens += len(delta.new_token_ids)
@@ -158,6 +166,18 @@ class Generation:
             raise
         except Exception as error:  # handed to the consumer, which decides the HTTP answer
             merged.put_nowait(error)
+        finally:
+            if borrowed:
+                self._give_back_borrowed()
+
+    def _give_back_borrowed(self) -> bool:
+        """Tell the prefill instance its lent state may go, without waiting for its answer."""
+        if not isinstance(self.handoff, RemotePrefill):
+            return False
+        task = asyncio.ensure_future(release_state(self.handoff, self.fetch_headers))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return False
 
     async def _handoff_inputs(self, prompt: PreparedPrompt) -> tuple[list[int], bool, bytes | None]:
         """The engine request's tokens, whether it exports its state, and the state it imports.

@@ -25,6 +25,13 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class ReleaseExport:
+    """The state lent under `export_id` (`RequestDelta.kv_export_id`) is no longer needed."""
+
+    export_id: str
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -58,6 +65,9 @@ class RequestDelta:
     stop_reason: int | str | None
     queue_seconds: float | None  # arrival to first scheduling, sent once
     kv_state: bytes | None = None  # with the last delta of an `export_state` request
+    # Set where `kv_state` only describes state the core keeps on its GPU (CUDA IPC) until a
+    # `ReleaseExport` with this id.
+    kv_export_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class CoreStats:
     kv_offload_stored_bytes: int = 0  # cumulative bytes copied to the host tier, and back
     kv_offload_loaded_bytes: int = 0
     structured_requests: int = 0  # cumulative requests with a structured-output constraint
+    kv_lent_bytes: int = 0  # prefilled state kept on the GPU for decode instances (CUDA IPC)
     grammars_compiled: int = 0  # cumulative, and the seconds they took on the compile threads
     grammar_compile_seconds: float = 0.0
     grammar_mask_seconds: float = 0.0  # cumulative host time filling token masks

@@ -91,6 +91,12 @@ class ServerMetrics:
         # Prefill/decode handoff (server/disaggregation.py).
         self.kv_transfer_pending = gauge("kv_transfer_pending", "Prefilled states held for a decode instance.")
         self.kv_transfer_pending_bytes = gauge("kv_transfer_pending_bytes", "Bytes of the prefilled states held.")
+        self.kv_transfer_lent = gauge(
+            "kv_transfer_lent", "Prefilled states fetched through CUDA IPC, held on the GPU until copied."
+        )
+        self.kv_lent_bytes = gauge(
+            "kv_transfer_device_bytes", "Bytes of prefilled state the engine keeps on its GPU for decode instances."
+        )
         self.kv_transfer_sent_bytes = counter("kv_transfer_sent_bytes", "Prefilled state bytes fetched from here.")
         self.kv_transfer_expired = counter("kv_transfer_expired", "Prefilled states dropped unfetched.")
         self.kv_transfer_received_bytes = counter("kv_transfer_received_bytes", "Prefilled state bytes fetched.")
@@ -108,6 +114,7 @@ class ServerMetrics:
         self.waiting.labels(label).set(stats.num_waiting)
         self.kv_usage.labels(label).set(stats.kv_cache_usage)
         self.kv_used_pages.labels(label).set(stats.num_used_pages)
+        self.kv_lent_bytes.labels(label).set(stats.kv_lent_bytes)
         # The core reports running totals; counters advance by what is new since last time.
         self.prefix_queries.labels(label).inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
         self.prefix_hits.labels(label).inc(max(stats.prefix_cache_hits - self._seen_hits, 0))

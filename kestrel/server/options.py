@@ -65,6 +65,14 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "or start from a prefill instance's state (decode); `kestrel router` sends each request to both",
     )
     parser.add_argument(
+        "--kv-buffer-device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="prefill instances: where a computed prompt's state waits for its decode instance: host memory, "
+        "fetched as bytes over TCP (cpu), or the GPU, copied by a decode instance on the same host through "
+        "CUDA IPC (cuda)",
+    )
+    parser.add_argument(
         "--kv-transfer-timeout",
         type=float,
         default=60.0,

@@ -45,7 +45,7 @@ class ServerState:
         parser = settings.tool_call_parser
         self.tool_parser = TOOL_CALL_PARSERS[parser]() if parser is not None else None
         self.reasoning = reasoning_format(settings.reasoning_parser) if settings.reasoning_parser else None
-        self.transfers = TransferStore(settings.kv_transfer_timeout, self.metrics)
+        self.transfers = TransferStore(settings.kv_transfer_timeout, self.metrics, client.release_export)
 
     @property
     def max_model_len(self) -> int:

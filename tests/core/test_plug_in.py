@@ -29,7 +29,7 @@ from kestrel.core.recipe import ModelSpec
 from kestrel.core.runner import ModelRunner, SequenceWork
 from kestrel.core.runtime import create_runtime
 from kestrel.core.state import KVCacheSpec, OutOfPagesError, PagedKVProvider, StateGroup, StateProvider
-from kestrel.core.transfer import HostSwap
+from kestrel.core.transfer import StateCopy
 from kestrel.core.workspace import Workspace
 from kestrel.sampling_params import SamplingParams
 
@@ -112,8 +112,8 @@ class CounterProvider(StateProvider, StepBinder):
     def rollback(self, request_id, num_tokens):
         return num_tokens if num_tokens >= self._tokens.get(request_id, 0) else 0  # a sum cannot step back
 
-    def export(self, request_id):
-        return [self.sums[self._owned[request_id]].cpu()]
+    def export(self, request_id, place):
+        return [self.sums[self._owned[request_id]].to(place)]
 
     def import_state(self, request_id, num_tokens, state):
         (slot,) = self.reserve(request_id, num_tokens)
@@ -323,9 +323,9 @@ def _replay_without_capture(runner: ModelRunner, items: list[SequenceWork]) -> d
 def test_state_exported_to_host_and_imported_elsewhere_continues_the_sequence(device):
     source, target = build_runner(device), build_runner(device)
     first = samples(source, [work(source, "r", PROMPT, 0)])["r"][0]
-    handle = HostSwap(source.groups).export("r", len(PROMPT))
+    handle = StateCopy(source.groups).export("r", len(PROMPT))
     assert handle.location == "host" and handle.num_bytes > 0
-    HostSwap(target.groups).import_(handle)
+    StateCopy(target.groups).import_(handle)
     assert target.groups[KV_GROUP].provider.held_by("r")
     moved = samples(target, [work(target, "r", [first], len(PROMPT))])["r"]
     stayed = samples(source, [work(source, "r", [first], len(PROMPT))])["r"]

@@ -79,3 +79,32 @@ def test_bytes_that_are_not_a_transfer_are_refused():
     torch.save({"request_id": "x", "num_tokens": 1, "state": {"kv": ["text"]}}, buffer)
     with pytest.raises(ValueError, match="other than tensors"):
         decode_handle(buffer.getvalue(), "test")
+
+
+def test_a_cpu_engine_cannot_keep_exports_on_a_gpu(checkpoint_dir):
+    with pytest.raises(ValueError, match="kv_buffer_device='cuda' keeps exported state on the GPU; .* cpu"):
+        LLM(str(checkpoint_dir("llama")), device="cpu", kv_buffer_device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="state exported to the GPU needs one")
+@pytest.mark.parametrize("family", ["llama", "qwen3-next"])
+def test_state_exported_to_the_gpu_decodes_like_one_engine(checkpoint_dir, family):
+    """The prefill side of a CUDA IPC handoff: its state stays on the GPU, and decoding from
+    it gives one engine's tokens (the IPC hop itself: tests/core/test_cuda_ipc.py)."""
+    path = str(checkpoint_dir(family))
+    options = dict(page_size=8, device="cuda", kv_cache_memory_gb=0.25)
+    prefill = LLM(path, kv_buffer_device="cuda", **options)
+    decode, alone = LLM(path, **options), LLM(path, enable_prefix_caching=False, **options)
+    for length in (2, 37):
+        prompt = random_tokens(length, seed=length)
+        expected = alone.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0].outputs[0]
+        prefill.engine.add_request("prefill", prompt[:-1], PARAMS, export_state=True)
+        (output,) = finish(prefill)
+        tensors = [t for group in output.kv_state.state.values() for t in group]
+        assert all(t.device.type == "cuda" for t in tensors)
+        decode.engine.add_request("decode", prompt, PARAMS, imported_state=output.kv_state)
+        (got,) = finish(decode)
+        assert_same(
+            [(got.outputs[0].token_ids, [list(lp.items()) for lp in got.outputs[0].logprobs])],
+            [(expected.token_ids, [list(lp.items()) for lp in expected.logprobs])],
+        )

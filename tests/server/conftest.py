@@ -46,6 +46,7 @@ class ServerProcess:
         api_key: str | None = API_KEY,
         env: dict[str, str] | None = None,
         name_flag: bool = True,
+        wait: bool = True,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -69,9 +70,10 @@ class ServerProcess:
         self.process = subprocess.Popen(
             command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **(env or {}))
         )
-        self._wait_healthy()
+        if wait:  # otherwise the caller starts others meanwhile, then calls `wait_healthy`
+            self.wait_healthy()
 
-    def _wait_healthy(self, timeout: float = 120) -> None:
+    def wait_healthy(self, timeout: float = 120) -> None:
         wait_healthy(self.process, self.base_url, self.output, "server", timeout)
 
     def output(self) -> str:
@@ -113,6 +115,41 @@ class ServerProcess:
                 self.process.kill()
         for pid in self.core_pids():
             os.kill(pid, signal.SIGKILL)
+
+
+class RouterProcess:
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 60) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "kestrel", "router", "--host", "127.0.0.1", "--port", str(self.port)]
+        command += ["--prefill", *prefill, "--decode", *decode, "--timeout", str(timeout)]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-router-", suffix=".log")  # noqa: SIM115
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        wait_healthy(self.process, self.base_url, lambda: Path(self.log.name).read_text(), "router", 60)
+
+    def client(self, **options):
+        import openai  # here: the GPU suite's machine talks to the router with httpx alone
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, **options)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def stop_together(router: RouterProcess, *servers: ServerProcess) -> None:
+    """Signal every process first, then wait for each: their shutdowns overlap."""
+    router.process.terminate()
+    for server in servers:
+        if server.process.poll() is None and not server.terminated:
+            server.process.send_signal(signal.SIGTERM)
+            server.terminated = True
+    router.stop()
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

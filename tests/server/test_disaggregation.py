@@ -5,52 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME, ROOT, ServerProcess, free_port, wait_healthy
+from tests.server.conftest import API_KEY, MODEL_NAME, RouterProcess, ServerProcess, stop_together
 
 COMMON = ("--page-size", "8", "--max-model-len", "512")
-
-
-class RouterProcess:
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "kestrel", "router", "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["--prefill", *prefill, "--decode", *decode, "--timeout", "60"]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-router-", suffix=".log")  # noqa: SIM115
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        wait_healthy(self.process, self.base_url, lambda: Path(self.log.name).read_text(), "router", 60)
-
-    def client(self, **options) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, **options)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
-def stop_together(router: RouterProcess, *servers: ServerProcess) -> None:
-    """Signal every process first, then wait for each: their shutdowns overlap."""
-    router.process.terminate()
-    for server in servers:
-        if server.process.poll() is None and not server.terminated:
-            server.process.send_signal(signal.SIGTERM)
-            server.terminated = True
-    router.stop()
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
