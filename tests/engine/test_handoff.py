@@ -92,7 +92,7 @@ def test_state_exported_to_the_gpu_decodes_like_one_engine(checkpoint_dir, famil
     """The prefill side of a CUDA IPC handoff: its state stays on the GPU, and decoding from
     it gives one engine's tokens (the IPC hop itself: tests/core/test_cuda_ipc.py)."""
     path = str(checkpoint_dir(family))
-    options = dict(page_size=8, device="cuda", kv_cache_memory_gb=0.25)
+    options = dict(page_size=8, device="cuda", dtype="float32", kv_cache_memory_gb=0.25)
     prefill = LLM(path, kv_buffer_device="cuda", **options)
     decode, alone = LLM(path, **options), LLM(path, enable_prefix_caching=False, **options)
     for length in (2, 37):
