@@ -200,8 +200,12 @@ def test_a_dead_instance_fails_requests_clearly(server_model):
         decode.stop()
 
 
-def test_a_hybrid_model_hands_over_its_recurrent_state(checkpoint_dir):
-    model = checkpoint_dir("qwen3-next")
+# Every kind of state beside full-attention pages (tests/server's own model, qwen3): recurrent
+# state (a hybrid), a latent KV pool (MLA), sliding-window layers in a group of their own.
+# Every family goes through the same handoff format engine to engine: tests/engine/test_handoff.py.
+@pytest.mark.parametrize("family", ["qwen3-next", "deepseek-v3", "gemma3"])
+def test_each_kind_of_state_is_handed_over(checkpoint_dir, family):
+    model = checkpoint_dir(family)
     prefill = ServerProcess(model, *COMMON, "--kv-role", "prefill")
     decode = ServerProcess(model, *COMMON, "--kv-role", "decode")
     router = RouterProcess([prefill.base_url], [decode.base_url])
