@@ -14,7 +14,18 @@ from tests.server.conftest import API_KEY, MODEL_NAME, RouterProcess, ServerProc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 
-GPU = ("--device", "cuda", "--dtype", "float32", "--kv-cache-memory-gb", "0.25", "--page-size", "8", "--max-model-len", "512")
+GPU = (
+    "--device",
+    "cuda",
+    "--dtype",
+    "float32",
+    "--kv-cache-memory-gb",
+    "0.25",
+    "--page-size",
+    "8",
+    "--max-model-len",
+    "512",
+)
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 

@@ -3,14 +3,18 @@ processes, spoken to with the openai client; their answers against one instance'
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import openai
 import pytest
 
+from kestrel.core import cuda_ipc
 from tests.server.conftest import API_KEY, MODEL_NAME, RouterProcess, ServerProcess, stop_together
 
 COMMON = ("--page-size", "8", "--max-model-len", "512")
@@ -218,3 +222,45 @@ def test_each_kind_of_state_is_handed_over(checkpoint_dir, family):
         assert decode.metric("kv_cache_used_pages") == 0 and prefill.metric("kv_transfer_pending") == 0
     finally:
         stop_together(router, prefill, decode)
+
+
+class _LendingInstance(BaseHTTPRequestHandler):
+    """Stands in for a prefill instance that lends its state on a GPU: answers every fetch
+    with a CUDA IPC description and records the decode instance's release."""
+
+    released: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.dumps({"kind": cuda_ipc.KIND, "request_id": "x", "num_tokens": 2}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        type(self).released.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_state_lent_on_a_gpu_is_refused_clearly_by_a_cpu_instance_and_released(deployment):
+    _, _, decode, _ = deployment
+    lender = ThreadingHTTPServer(("127.0.0.1", 0), _LendingInstance)
+    threading.Thread(target=lender.serve_forever, daemon=True).start()
+    try:
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": lender.server_port}
+        params |= {"transfer_id": "a" * 32, "num_tokens": 2}
+        body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 2, "kv_transfer_params": params}
+        response = httpx.post(f"{decode.base_url}/v1/completions", json=body, headers=decode.headers, timeout=30)
+        assert response.status_code == 400 and "--kv-buffer-device cpu" in response.json()["error"]["message"]
+        deadline = time.monotonic() + 5
+        while not _LendingInstance.released and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _LendingInstance.released == [f"/v1/kv_transfer/{'a' * 32}"]
+        assert decode.metric("kv_cache_used_pages") == 0
+    finally:
+        lender.shutdown()
