@@ -87,11 +87,32 @@ def time_kestrel(llm, prompt: list[int], output_len: int) -> dict[str, float]:
     }
 
 
+class _TokenClock:
+    """HF generate's streamer interface used as a clock: when each new token reached the host.
+    Its first `put` is the prompt."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        value.to("cpu")  # waits for the token
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
 def time_hf(model, prompt: list[int], output_len: int) -> dict[str, float]:
+    """First token and decode time from one generation, each token timed as it comes: the
+    difference of two runs' times can come out negative on a noisy machine."""
     device = next(model.parameters()).device
     inputs = torch.tensor([prompt], device=device)
 
-    def run(max_new: int) -> float:
+    def run(max_new: int) -> tuple[float, _TokenClock]:
+        clock = _TokenClock()
         _sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -102,13 +123,14 @@ def time_hf(model, prompt: list[int], output_len: int) -> dict[str, float]:
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 pad_token_id=0,
+                streamer=clock,
             )
         _sync(device)
-        return time.perf_counter() - start
+        return start, clock
 
     run(2)
-    first_token = run(1)
-    total = run(output_len)
+    start, clock = run(output_len)
+    first_token, total = clock.times[0] - start, clock.times[-1] - start
     return {
         "ttft_s": first_token,
         "total_s": total,
