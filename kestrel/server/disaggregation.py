@@ -186,8 +186,8 @@ async def fetch_state(remote: RemotePrefill, headers: dict[str, str], metrics: S
 
 def _get(url: str, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
     """One GET with the standard library's client, in a thread: it reads a body of known length
-    in one buffered call, twice httpx's rate for states of tens to hundreds of megabytes
-    (docs/benchmarks.md)."""
+    in one buffered call, where httpx reads 64 KiB chunks (46.5 MB from uvicorn: 74 ms against
+    150-180; docs/benchmarks.md)."""
     parts = urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
