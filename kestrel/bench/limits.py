@@ -15,7 +15,7 @@ import torch
 
 from kestrel.core.layer_spec import AttentionLayer
 from kestrel.layers.moe import RoutedExperts
-from kestrel.layers.quantized import WIDE_MIN_ROWS, Fp8Weight, Int4Weight, PackedWeight
+from kestrel.layers.quantized import WIDE_MIN_ROWS, Fp8Weight, Int4VnniWeight, Int4Weight, PackedWeight
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,9 @@ class ModelCost:
         table = spec.vocab_size * spec.hidden_size
         element = torch.empty((), dtype=parts.dtype).element_size()
         packed = [w for w in (getattr(m, "weight", None) for m in model.modules()) if isinstance(w, PackedWeight)]
-        int4 = [w for w in packed if isinstance(w, Int4Weight)]
+        int4 = [w for w in packed if isinstance(w, Int4Weight | Int4VnniWeight)]
         wide_bytes = sum(_bytes(w.wide) for w in int4 if w.wide is not None)
-        narrow_bytes = sum(_bytes(w.packed) + _bytes(w.scales_and_zeros) for w in int4 if w.wide is not None)
+        narrow_bytes = sum(w.narrow_bytes for w in int4 if w.wide is not None)
         # Off CUDA a float8 weight is read through its dequantized reference, not its float8 values.
         unread_fp8 = sum(_bytes(w.values) for w in packed if isinstance(w, Fp8Weight) and w.reference is not None)
         all_bytes = sum(_bytes(p) for p in model.parameters()) - wide_bytes - unread_fp8  # one row reads the codes

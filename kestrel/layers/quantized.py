@@ -2,8 +2,9 @@
 
 `int4`: weight-only, the decoder's projections kept as 4-bit integers in groups along the
 input dim, each group with its own scale and zero (w = (q - 8) * scale + zero). On the CPU,
-groups of 32 as torch's `_weight_int4pack_mm_for_cpu` reads them; on CUDA, groups of 128 (as
-AWQ and GPTQ checkpoints use) read by Triton kernels that widen the codes in registers
+groups of 32, read at one row by Kestrel's AVX-512 VNNI matvec where the CPU has it
+(layers/int4_cpu.py), else by torch's `_weight_int4pack_mm_for_cpu`; on CUDA, groups of 128
+(as AWQ and GPTQ checkpoints use) read by Triton kernels that widen the codes in registers
 (layers/int4_matmul.py).
 
 The LM head stays as loaded: an 8-bit copy with a scale per row (`_weight_int8pack_mm`) read a
@@ -14,7 +15,8 @@ A one-row CPU linear reads its weight once per step, so the step's time is the w
 over memory bandwidth: 4-bit weights read an eighth of float32's bytes (measured on a 2-core
 Xeon: a 1536 x 576 matvec 219 us in float32, 46 us in 4-bit). The kernel computes in bfloat16
 (its float32 variant is many times slower), so activations are rounded to bfloat16 on the way
-in and the output cast back to the model's dtype.
+in and the output cast back to the model's dtype. The VNNI kernel holds activations as integers of about 14
+bits per group of 32 instead, closer to float32 than bfloat16 is.
 
 Weights are quantized after loading, from the bound float weights (round to nearest, each
 group's minimum and maximum spanning 0..15: the GGUF Q4_1 recipe), so any checkpoint can be
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.core.kernel_branches import runs_kernels
+from kestrel.layers import int4_cpu
 
 logger = logging.getLogger("kestrel")
 
@@ -75,9 +78,47 @@ class Int4Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return int4_linear(x, self, bias)
 
+    @property
+    def narrow_bytes(self) -> int:
+        """What a step of fewer than WIDE_MIN_ROWS rows reads."""
+        return _bytes(self.packed) + _bytes(self.scales_and_zeros)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         wide = {"wide": self.wide} if self.wide is not None else {}
         return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros} | wide
+
+
+@dataclass(frozen=True)
+class Int4VnniWeight:
+    """The same 4-bit values in the layout of Kestrel's AVX-512 VNNI matvec (layers/int4_cpu.py),
+    which reads them about 1.4x as fast as torch's kernel at one row; with the bfloat16 copy
+    for steps of many rows as `Int4Weight` has."""
+
+    codes: torch.Tensor  # uint8 [out_features, in_features / 2]
+    scales_and_zeros: torch.Tensor  # bfloat16 [2, out_features, in_features / group_size]
+    out_features: int
+    in_features: int
+    group_size: int = GROUP_SIZE
+    wide: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def narrow_bytes(self) -> int:
+        return _bytes(self.codes) + _bytes(self.scales_and_zeros)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int4_linear(x, self, bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        wide = {"wide": self.wide} if self.wide is not None else {}
+        return {"codes": self.codes, "scales_and_zeros": self.scales_and_zeros} | wide
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 CUDA_GROUP_SIZE = 128
@@ -189,7 +230,7 @@ def round_rows_through_fp8(x: torch.Tensor) -> torch.Tensor:
     return (rounded * scales).to(x.dtype)
 
 
-PackedWeight = Int4Weight | Int4CudaWeight | Fp8Weight  # the union of every packed format
+PackedWeight = Int4Weight | Int4VnniWeight | Int4CudaWeight | Fp8Weight  # the union of every packed format
 QUANTIZATIONS = (INT4, FP8)
 
 
@@ -205,8 +246,9 @@ def packable(out_features: int, in_features: int, group_size: int = GROUP_SIZE) 
     return in_features % group_size == 0 and out_features % _ROW_TILE == 0
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weight:
-    """Round-to-nearest 4-bit codes per group of `group_size` input columns."""
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weight | Int4VnniWeight:
+    """Round-to-nearest 4-bit codes per group of `group_size` input columns, in the layout of
+    Kestrel's VNNI kernel where this CPU runs it and the shape fits, else torch's."""
     out_features, in_features = weight.shape
     if not packable(out_features, in_features, group_size):
         raise ValueError(
@@ -218,16 +260,22 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
     if _BF16_MATMULS:
         wide = ((codes - _ZERO_POINT) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
         wide = wide.to(COMPUTE_DTYPE)
-    codes = codes.reshape(out_features, in_features).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    codes = codes.reshape(out_features, in_features)
+    if group_size == int4_cpu.GROUP_SIZE and int4_cpu.fits(out_features, in_features) and int4_cpu.available():
+        vnni_codes, vnni_scales_and_zeros = int4_cpu.pack(codes, scale, zero)
+        return Int4VnniWeight(vnni_codes, vnni_scales_and_zeros, out_features, in_features, group_size, wide)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(COMPUTE_DTYPE).contiguous()
     return Int4Weight(packed, scales_and_zeros, out_features, in_features, group_size, wide)
 
 
-def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) for 2-D `x`, computed in bfloat16, returned in x's dtype."""
+def int4_linear(x: torch.Tensor, weight: Int4Weight | Int4VnniWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) for 2-D `x`, returned in x's dtype: in bfloat16 by torch's kernel or
+    the bfloat16 copy, with int8 activations by the VNNI kernel."""
     if weight.wide is not None and x.shape[0] >= WIDE_MIN_ROWS:
         out = F.linear(x.to(COMPUTE_DTYPE), weight.wide).to(x.dtype)
+    elif isinstance(weight, Int4VnniWeight):
+        out = int4_cpu.matvec(x.float(), weight.codes, weight.scales_and_zeros).to(x.dtype)
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(COMPUTE_DTYPE), weight.packed, weight.group_size, weight.scales_and_zeros
@@ -235,9 +283,11 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     return out if bias is None else out + bias
 
 
-def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
-    """The weight the 4-bit kernel multiplies by, read back through it (rounded to bfloat16):
-    the reference its tests compare with."""
+def dequantize_int4(weight: Int4Weight | Int4VnniWeight) -> torch.Tensor:
+    """The weight the 4-bit kernel multiplies by (torch's read back through it, rounded to
+    bfloat16): the reference its tests compare with."""
+    if isinstance(weight, Int4VnniWeight):
+        return int4_cpu.dequantize(weight.codes, weight.scales_and_zeros)
     eye = torch.eye(weight.in_features, dtype=COMPUTE_DTYPE)
     return (
         torch.ops.aten._weight_int4pack_mm_for_cpu(eye, weight.packed, weight.group_size, weight.scales_and_zeros)

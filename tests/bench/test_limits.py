@@ -82,17 +82,18 @@ def test_model_cost_splits_a_loaded_model(checkpoint_dir, family):
 
 def test_a_4_bit_model_reads_its_codes_at_one_row_and_its_bfloat16_copy_at_many(checkpoint_dir):
     from kestrel import LLM
-    from kestrel.layers.quantized import WIDE_MIN_ROWS, Int4Weight
+    from kestrel.layers.quantized import WIDE_MIN_ROWS, Int4VnniWeight, Int4Weight
 
     path = str(checkpoint_dir("llama"))
     floats = ModelCost.of(LLM(path, page_size=8, max_num_seqs=2, quantization="none").engine.parts)
     parts = LLM(path, page_size=8, max_num_seqs=2, quantization="int4").engine.parts
     cost = ModelCost.of(parts)
-    packed = [m.weight for m in parts.runner.model.modules() if isinstance(getattr(m, "weight", None), Int4Weight)]
+    weights = [getattr(m, "weight", None) for m in parts.runner.model.modules()]
+    packed = [w for w in weights if isinstance(w, Int4Weight | Int4VnniWeight)]
     assert packed and cost.num_params == floats.num_params  # the same weights, counted unpacked
     assert cost.dense_params == floats.dense_params
     unpacked_bytes = sum(w.out_features * w.in_features * 4 for w in packed)
-    codes_bytes = sum(w.packed.numel() + w.scales_and_zeros.numel() * 2 for w in packed)
+    codes_bytes = sum(w.out_features * w.in_features // 2 + w.scales_and_zeros.numel() * 2 for w in packed)
     assert cost.weight_bytes(1) == floats.weight_bytes(1) - unpacked_bytes + codes_bytes
     if packed[0].wide is not None:
         copy_bytes = sum(w.wide.numel() * 2 for w in packed)

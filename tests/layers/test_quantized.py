@@ -48,7 +48,7 @@ def test_a_float_weight_is_rounded_to_the_nearest_of_sixteen_levels_per_group():
     assert dequantize_int4(quantize_int4(torch.zeros(16, 32))).abs().max() == 0  # a constant group
 
 
-def test_the_4_bit_matmul_is_the_dequantized_weight_in_bfloat16():
+def test_the_4_bit_matmul_is_the_dequantized_weight():
     torch.manual_seed(2)
     weight, x, bias = torch.randn(80, 160), torch.randn(5, 160), torch.randn(80)
     packed = quantize_int4(weight)
