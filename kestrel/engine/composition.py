@@ -25,6 +25,7 @@ from kestrel.core.recipe import ModelSpec
 from kestrel.core.recurrent_state import RECURRENT_GROUP, RecurrentStateProvider
 from kestrel.core.runner import ModelRunner
 from kestrel.core.runtime import DeviceRuntime, create_runtime
+from kestrel.core.runtime.cpu_kernels import choose_cpu_matvecs
 from kestrel.core.runtime.dependent_launch import configure as configure_dependent_launch
 from kestrel.core.state import KVCacheSpec, PagedKVProvider, StateGroup, StateProvider
 from kestrel.core.warm_up import warm_up
@@ -498,6 +499,8 @@ def build_runner(
 
         with log_duration(logger, "choosing the one-row matvec kernel per weight shape"):
             choose_matvec_kernels(model)
+    elif runtime.name == "cpu":
+        choose_cpu_matvecs(model)
     workspace = Workspace(runtime.device)
     groups = state_groups(kv, loaded.backend_cls, loaded.layer, fixed, workspace, args.max_num_seqs)
     graphs = None

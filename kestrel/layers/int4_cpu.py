@@ -1,4 +1,4 @@
-"""Kestrel's 4-bit matvec for CPUs with AVX-512 VNNI (layers/int4_cpu.cpp), built on first use.
+"""Kestrel's 4-bit matvec for CPUs with AVX-512 VNNI (core/runtime/cpu_kernels.cpp), built on first use.
 
 torch's `_weight_int4pack_mm_for_cpu` widens every code to bfloat16 before it multiplies and
 streams its weight without prefetching; on a 2-core Xeon it reads 10-13 GB/s of codes where the
@@ -8,77 +8,29 @@ one vpdpbusd, and prefetches the codes a few rows ahead: the demo model's 120 de
 take 3.0 ms against torch's 5.2-5.8 (scripts/int4_cpu_bench.py), and its activations are held
 closer to float32 than torch's bfloat16 ones.
 
-It is compiled with torch's C++ extension builder (a C++ compiler and ninja) into torch's
-extension cache, about 20 s the first time on 2 cores and a load afterwards. Elsewhere (no
-VNNI, no compiler, or KESTREL_CPU_INT4_KERNEL=torch) the 4-bit weights stay in torch's layout
-and kernel.
+Where the kernels cannot run (core/runtime/cpu_kernels.py) the 4-bit weights stay in torch's
+layout and kernel.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import platform
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger("kestrel")
+from kestrel.core.runtime import cpu_kernels
 
 GROUP_SIZE = 32
 BLOCK = 128  # columns per packed block (a last block may hold 64)
 ROWS_AT_ONCE = 4  # output rows the kernel computes together
 _LARGEST = 127 * 128  # an activation group's largest magnitude, as an integer (two int8 digits)
-_SOURCE = Path(__file__).with_name("int4_cpu.cpp")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-fopenmp"]
-_NEEDS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+
+
+def available() -> bool:
+    return cpu_kernels.available()
 
 
 def fits(out_features: int, in_features: int) -> bool:
     """Whether the kernel takes this shape: whole blocks of 64 columns, rows by fours."""
     return in_features % 64 == 0 and out_features % ROWS_AT_ONCE == 0
-
-
-@functools.cache
-def available() -> bool:
-    """Whether this CPU runs the kernel and it could be built (once per process)."""
-    if os.environ.get("KESTREL_CPU_INT4_KERNEL", "") == "torch":
-        return False
-    if platform.system() != "Linux" or platform.machine() != "x86_64" or not _cpu_has(_NEEDS):
-        return False
-    try:
-        _build()
-    except Exception as error:  # a missing compiler or ninja: torch's kernel serves
-        logger.warning("the AVX-512 VNNI 4-bit kernel could not be built; torch's 4-bit kernel is used instead")
-        logger.debug("building the AVX-512 VNNI 4-bit kernel failed: %s", error)
-        return False
-    return True
-
-
-def _cpu_has(flags: tuple[str, ...]) -> bool:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    return set(flags) <= set(line.split())
-
-
-def _build() -> None:
-    from torch.utils.cpp_extension import load
-
-    load(
-        "kestrel_cpu_int4",
-        sources=[str(_SOURCE)],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
-
-    @torch.library.register_fake("kestrel_cpu::int4_matvec")
-    def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], codes.shape[0]))
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +58,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def matvec(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x [rows, in] float32 times the packed weight: [rows, out] float32."""
-    return torch.ops.kestrel_cpu.int4_matvec(x, codes, scales_and_zeros)
+    return cpu_kernels.ops().int4_matvec(x, codes, scales_and_zeros)
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.core.kernel_branches import runs_kernels
+from kestrel.core.runtime import cpu_kernels
 from kestrel.layers.quantized import PackedWeight
 
 # oneDNN's matmul beats the default BLAS path on the CPU from about 16 rows (batched decode
@@ -30,7 +31,8 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None, use_gemv: bool = False
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), for 2-D `x`. `use_gemv`: a one-row CUDA input takes the Triton
-    matvec (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight).
+    matvec (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight),
+    a one-row float32 CPU input Kestrel's (`choose_cpu_matvecs`).
     A packed weight (layers/quantized.py) takes its own kernel."""
     if isinstance(weight, PackedWeight):
         return weight.linear(x, bias)
@@ -47,6 +49,9 @@ def linear(
         from kestrel.layers import gemv
 
         return gemv.gemv(x, weight, bias)
+    if _takes_cpu_matvec(x, use_gemv):
+        out = cpu_kernels.ops().float_matvec(x, weight)
+        return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
 
@@ -57,7 +62,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = 
         from kestrel.layers import gemv
 
         return gemv.gemv_silu_and_mul(x, weight)
-    return silu_and_mul(linear(x, weight))
+    return silu_and_mul(linear(x, weight, use_gemv=use_gemv))
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ def linear_rotary(
         from kestrel.layers import gemv
 
         return gemv.gemv_rotary(x, weight, bias, rotation)
-    out = linear(x, weight, bias)
+    out = linear(x, weight, bias, use_gemv)
     tokens, width = out.shape[0], rotation.heads * rotation.head_dim
     heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
     rotated = rotary(heads, rotation.cos, rotation.sin)
@@ -91,6 +96,11 @@ def linear_rotary(
 
 def _takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
     return use_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES
+
+
+def _takes_cpu_matvec(x: torch.Tensor, use_gemv: bool) -> bool:
+    """A one-row float32 CPU input of a weight `choose_cpu_matvecs` marked takes Kestrel's matvec."""
+    return use_gemv and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32
 
 
 def rms_norm(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kestrel.core.runtime import cpu_kernels
 from kestrel.layers import int4_cpu
 from kestrel.layers.quantized import Int4VnniWeight, Int4Weight, int4_groups, int4_linear, quantize_int4
 
@@ -81,11 +82,11 @@ def test_a_compiled_function_calls_the_kernel():
 
 
 def test_the_environment_can_ask_for_torch_s_kernel(monkeypatch):
-    monkeypatch.setenv("KESTREL_CPU_INT4_KERNEL", "torch")
-    int4_cpu.available.cache_clear()
+    monkeypatch.setenv("KESTREL_CPU_KERNELS", "torch")
+    cpu_kernels.available.cache_clear()
     try:
         assert not int4_cpu.available()
         assert isinstance(quantize_int4(torch.randn(64, 128)), Int4Weight)
     finally:
-        monkeypatch.delenv("KESTREL_CPU_INT4_KERNEL")
-        int4_cpu.available.cache_clear()
+        monkeypatch.delenv("KESTREL_CPU_KERNELS")
+        cpu_kernels.available.cache_clear()

@@ -26,6 +26,7 @@ from kestrel.core.attention.torch_ref import (
     TorchReferenceBackend,
     attention,
     decode_key_mask,
+    first_visible_key,
     gather_pages,
     grouped_sinks,
     store_kv,
@@ -33,6 +34,7 @@ from kestrel.core.attention.torch_ref import (
 )
 from kestrel.core.batch import BatchLayout, SequenceChunk
 from kestrel.core.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from kestrel.core.runtime import cpu_kernels
 from kestrel.core.state import KVLayerCache, PagedKVProvider
 from kestrel.core.workspace import Workspace
 
@@ -194,6 +196,7 @@ class TorchCpuBackend(TorchReferenceBackend):
         self._capacity = 0  # mirror length for this step's regathers
         self._index: _StepIndex | None = None  # this step's indices, shared by every layer
         self._compiled: CompiledMirrors | None = None  # compiled decode steps' mirrors
+        self._native_kernels = cpu_kernels.available()  # asked once, outside any compiled step
 
     def bind(self, layout: BatchLayout) -> AttentionMetadata:
         self._step += 1
@@ -245,11 +248,19 @@ class TorchCpuBackend(TorchReferenceBackend):
         every_row, positions = torch.arange(rows), meta.seq_lens - 1
         mirror.key[every_row, :, positions] = key[:rows].to(mirror.key.dtype)
         mirror.value[every_row, :, positions] = value[:rows].to(mirror.value.dtype)
-        mask = decode_key_mask(meta.key_positions, meta.seq_lens, layer)[:, None, None, :]
         grouped = query[:rows].reshape(rows, layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim)
-        keys, values = mirror.key[:rows, :, :width], mirror.value[:rows, :, :width]
-        out = attention(grouped.to(keys.dtype), keys, values, mask, layer.scale, grouped_sinks(sinks, layer))
-        output[:rows] = out.reshape(rows, layer.num_heads, values.shape[-1]).to(query.dtype)
+        if self._native_kernels and _kernel_attends(grouped, mirror):
+            first = first_visible_key(meta.seq_lens[:rows], layer)
+            row_sinks = grouped_sinks(sinks, layer)
+            row_sinks = grouped.new_empty(0) if row_sinks is None else row_sinks.float().contiguous()
+            out = cpu_kernels.ops().decode_attention(
+                grouped.contiguous(), mirror.key, mirror.value, first, meta.seq_lens[:rows], layer.scale, row_sinks
+            )
+        else:
+            mask = decode_key_mask(meta.key_positions, meta.seq_lens, layer)[:, None, None, :]
+            keys, values = mirror.key[:rows, :, :width], mirror.value[:rows, :, :width]
+            out = attention(grouped.to(keys.dtype), keys, values, mask, layer.scale, grouped_sinks(sinks, layer))
+        output[:rows] = out.reshape(rows, layer.num_heads, mirror.value.shape[-1]).to(query.dtype)
 
     def forward(
         self,
@@ -355,3 +366,10 @@ def _decode_mask(meta: DecodeMetadata, layer: AttentionLayerSpec, width: int) ->
     if layer.sliding_window is None and layer.chunk_size is None and bool((meta.seq_lens == width).all()):
         return None
     return decode_key_mask(torch.arange(width), meta.seq_lens, layer)[:, None, None, :]
+
+
+def _kernel_attends(query: torch.Tensor, mirror: DecodeMirror) -> bool:
+    """Whether Kestrel's CPU decode attention takes this step (float32, whole 16-wide vectors of
+    head_dim), where torch's SDPA would spend most of its time setting up."""
+    dims_fit = query.shape[-1] % 16 == 0 and mirror.value.shape[-1] == query.shape[-1]
+    return dims_fit and query.dtype == mirror.key.dtype == torch.float32

@@ -153,6 +153,17 @@ def decode_key_mask(key_positions: torch.Tensor, seq_lens: torch.Tensor, layer: 
     return mask
 
 
+def first_visible_key(seq_lens: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+    """[rows]: the first position each decode row sees (`decode_key_mask`'s first True; it may
+    be negative where a window reaches past the sequence's start)."""
+    first = torch.zeros_like(seq_lens)
+    if layer.sliding_window is not None:
+        first = torch.maximum(first, seq_lens - layer.sliding_window)
+    if layer.chunk_size is not None:
+        first = torch.maximum(first, (seq_lens - 1) // layer.chunk_size * layer.chunk_size)
+    return first
+
+
 def prefill_attention(
     query: torch.Tensor,
     cache: KVLayerCache,
