@@ -33,6 +33,7 @@ def test_the_wheel_declares_the_dependencies_and_the_command(tmp_path):
         metadata = archive.read(info).decode()
         entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
         assert "kestrel/distributed/worker.py" in archive.namelist()
+        assert "kestrel/core/runtime/cpu_kernels.cpp" in archive.namelist()  # built on first use
     declared = {
         re.split(r"[<>=!;\[ ]", line.removeprefix("Requires-Dist: "), maxsplit=1)[0].lower().replace("_", "-")
         for line in metadata.splitlines()
