@@ -151,6 +151,9 @@ class DeepseekMoe(SparseMoe):
         self.routing = spec.routing
         self.gate = DeepseekRouter(spec.hidden_size, moe.num_experts, spec.routing.correction_bias)
 
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mix_experts(hidden, *self.route(hidden))  # its own routing, never the plain router's
+
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
