@@ -13,7 +13,9 @@ step runs it in every layer, where a dozen torch ops cost more than the matmuls'
 Where so few rows are routed that no expert is likely to get two (a decode step of one or
 two requests), there is no grouping and no matmul tile: each routed row is a matrix-vector
 product (`expert_matvecs`), the gate/up one with its activation, the down one summing a
-token's experts as it reads them, so a decode layer's experts cost two launches. Launch
+token's experts as it reads them, so a decode layer's experts cost two launches; there the
+gate/up launch can also route each token from the router's logits itself
+(`routed_expert_matvecs`, `SparseMoe.route_and_mix`), and the routing launch goes. Launch
 shapes come from a table per run length (`moe_launch`), which scripts/moe_sweep.py measures
 per GPU.
 """

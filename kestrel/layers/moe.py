@@ -190,21 +190,27 @@ class SparseMoe(nn.Module):
         return self.route_and_mix(hidden, self.gate(hidden))
 
     def route_and_mix(
-        self, hidden: torch.Tensor, logits: torch.Tensor, shared_logits: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        shared_logits: torch.Tensor | None = None,
+        always_on: bool = False,
+        routed_scale: float = 1.0,
     ) -> torch.Tensor:
-        """`mix_experts` of `pick`'s choices from the router's logits. On CUDA, where the step's
-        routed rows would rarely share an expert (a decode step of one or two requests), the
-        experts' first matvec routes each token itself: one launch fewer a layer."""
-        num_shared = self.num_always_on if shared_logits is not None else 0
+        """`mix_experts` of `pick`'s choices from the router's logits (the same arguments). On
+        CUDA, where the step's routed rows would rarely share an expert (a decode step of one or
+        two requests), the experts' first matvec routes each token itself: one launch fewer a
+        layer."""
+        num_shared = self.num_always_on if always_on or shared_logits is not None else 0
         routed_rows = hidden.shape[0] * (self.top_k + num_shared)
         if ops.runs_kernels(hidden) and hidden.shape[0] and expected_repeats(routed_rows, self.num_stacked) < 1:
             from kestrel.layers.fused_moe import RouterLogits, routed_expert_matvecs
 
-            router = RouterLogits(logits, self.top_k, self.renormalize, shared_logits, num_shared)
+            router = RouterLogits(logits, self.top_k, self.renormalize, shared_logits, num_shared, routed_scale)
             w13, w2 = self.experts.w13, self.experts.w2
             out, _, _ = routed_expert_matvecs(hidden, w13.weight, w2.weight, router, scales=(w13.scales, w2.scales))
             return self.parallel.all_reduce(out)
-        return self.mix_experts(hidden, *self.pick(logits, hidden.dtype, shared_logits))
+        return self.mix_experts(hidden, *self.pick(logits, hidden.dtype, shared_logits, always_on, routed_scale))
 
     def routed_experts(self) -> RoutedExperts:
         return RoutedExperts(self.num_experts, self.top_k, (self.experts.w13.weight, self.experts.w2.weight))

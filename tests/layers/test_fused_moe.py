@@ -168,22 +168,29 @@ def test_expert_matvecs_sum_each_tokens_experts_as_the_torch_path(launches):
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("gated_shared", [False, True])
-def test_expert_matvecs_that_route_themselves_choose_and_sum_as_routing_first(renormalize, gated_shared):
+@pytest.mark.parametrize(
+    ("num_shared", "gated", "routed_scale"),
+    [(0, False, 1.0), (1, True, 1.0), (2, False, 1.5)],
+    ids=["routed-only", "gated-shared", "always-on-scaled"],
+)
+def test_expert_matvecs_that_route_themselves_choose_and_sum_as_routing_first(
+    renormalize, num_shared, gated, routed_scale
+):
     """The gate/up launch routes each token from the router's logits (the routing kernel's
     choices, stored for the down launch): the same choices and sum as routing, then mixing;
-    with a gated always-on expert stacked after the routed ones, as Qwen3-Next's."""
+    with a gated always-on expert stacked after the routed ones (Qwen3-Next's shared expert),
+    or two weighted 1 beside scaled routed weights (DeepSeek-V2's)."""
     torch.manual_seed(3)
     num_experts, top_k = 6, 2
-    moe = SparseMoe(40, 36, num_experts, top_k, renormalize, num_stacked=num_experts + gated_shared).to(DEVICE)
+    moe = SparseMoe(40, 36, num_experts, top_k, renormalize, num_stacked=num_experts + num_shared).to(DEVICE)
     for param in moe.parameters():
         param.data.normal_(0, 0.2)
     hidden = torch.randn(2, 40, device=DEVICE)
     logits = torch.randn(2, num_experts + 1, device=DEVICE)[:, :num_experts]  # a strided view, as sliced
-    shared_logits = torch.randn(2, 1, device=DEVICE) if gated_shared else None
-    weights, experts = route(logits, top_k, renormalize, hidden.dtype, shared_logits, int(gated_shared))
+    shared_logits = torch.randn(2, num_shared, device=DEVICE) if gated else None
+    weights, experts = route(logits, top_k, renormalize, hidden.dtype, shared_logits, num_shared, routed_scale)
     expected = moe.grouped(hidden, weights, experts)
-    router = RouterLogits(logits, top_k, renormalize, shared_logits, int(gated_shared))
+    router = RouterLogits(logits, top_k, renormalize, shared_logits, num_shared, routed_scale)
     w13, w2 = moe.experts.w13.weight, moe.experts.w2.weight
     got, got_weights, got_experts = routed_expert_matvecs(hidden, w13, w2, router)
     assert torch.equal(got_experts, experts)
