@@ -93,3 +93,19 @@ def test_one_row_linears_of_marked_weights_take_the_float_matvec():
     torch.testing.assert_close(layer(x), x @ layer.weight.t() + layer.bias, rtol=1e-5, atol=1e-5)
     rows = torch.randn(3, 64)  # more than one row: torch's product
     torch.testing.assert_close(ops.linear(rows, layer.weight, use_gemv=True), rows @ layer.weight.t())
+
+
+def test_a_failed_build_leaves_torch_s_ops_with_a_warning(monkeypatch, caplog):
+    def no_compiler() -> None:
+        raise OSError("c++: command not found")
+
+    monkeypatch.setattr(cpu_kernels, "_build", no_compiler)
+    cpu_kernels.available.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kestrel"):
+            assert not cpu_kernels.available()
+        assert "could not be built; torch's ops are used instead" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.available.cache_clear()
+        assert cpu_kernels.available()  # built before: loaded again
