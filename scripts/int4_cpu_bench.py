@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from kestrel.core.runtime import cpu_kernels
 from kestrel.layers import int4_cpu
 from kestrel.layers.quantized import Int4VnniWeight, Int4Weight, int4_groups, int4_linear
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds of the two kernels")
     args = parser.parse_args()
-    if not int4_cpu.available():
+    if not cpu_kernels.available():
         raise SystemExit("this CPU does not run the AVX-512 VNNI kernel (or it could not be built)")
     vnni, torch_packed = weights(args.layers)
     inputs = {width: torch.randn(1, width) for width in {shape[1] for shape in SHAPES}}

@@ -24,10 +24,6 @@ ROWS_AT_ONCE = 4  # output rows the kernel computes together
 _LARGEST = 127 * 128  # an activation group's largest magnitude, as an integer (two int8 digits)
 
 
-def available() -> bool:
-    return cpu_kernels.available()
-
-
 def fits(out_features: int, in_features: int) -> bool:
     """Whether the kernel takes this shape: whole blocks of 64 columns, rows by fours."""
     return in_features % 64 == 0 and out_features % ROWS_AT_ONCE == 0

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.core.kernel_branches import runs_kernels
+from kestrel.core.runtime import cpu_kernels
 from kestrel.layers import int4_cpu
 
 logger = logging.getLogger("kestrel")
@@ -261,7 +262,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
         wide = ((codes - _ZERO_POINT) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
         wide = wide.to(COMPUTE_DTYPE)
     codes = codes.reshape(out_features, in_features)
-    if group_size == int4_cpu.GROUP_SIZE and int4_cpu.fits(out_features, in_features) and int4_cpu.available():
+    if group_size == int4_cpu.GROUP_SIZE and int4_cpu.fits(out_features, in_features) and cpu_kernels.available():
         vnni_codes, vnni_scales_and_zeros = int4_cpu.pack(codes, scale, zero)
         return Int4VnniWeight(vnni_codes, vnni_scales_and_zeros, out_features, in_features, group_size, wide)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
