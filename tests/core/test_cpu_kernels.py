@@ -109,3 +109,14 @@ def test_a_failed_build_leaves_torch_s_ops_with_a_warning(monkeypatch, caplog):
         monkeypatch.undo()
         cpu_kernels.available.cache_clear()
         assert cpu_kernels.available()  # built before: loaded again
+
+
+def test_an_unknown_choice_of_kernels_is_refused(monkeypatch):
+    monkeypatch.setenv("KESTREL_CPU_KERNELS", "off")
+    cpu_kernels.available.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="KESTREL_CPU_KERNELS='off': expected 'kestrel'"):
+            cpu_kernels.available()
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.available.cache_clear()

@@ -34,7 +34,10 @@ _NEEDS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_
 @functools.cache
 def available() -> bool:
     """Whether this CPU runs the kernels and they could be built (decided once per process)."""
-    if os.environ.get("KESTREL_CPU_KERNELS", "") == "torch":
+    choice = os.environ.get("KESTREL_CPU_KERNELS", "kestrel")
+    if choice not in ("kestrel", "torch"):
+        raise ValueError(f"KESTREL_CPU_KERNELS={choice!r}: expected 'kestrel' (the default) or 'torch'")
+    if choice == "torch":
         return False
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not _cpu_has(_NEEDS):
         return False
