@@ -13,9 +13,7 @@ step runs it in every layer, where a dozen torch ops cost more than the matmuls'
 Where so few rows are routed that no expert is likely to get two (a decode step of one or
 two requests), there is no grouping and no matmul tile: each routed row is a matrix-vector
 product (`expert_matvecs`), the gate/up one with its activation, the down one summing a
-token's experts as it reads them, so a decode layer's experts cost two launches; there the
-gate/up launch can also route each token from the router's logits itself
-(`routed_expert_matvecs`, `SparseMoe.route_and_mix`), and the routing launch goes. Launch
+token's experts as it reads them, so a decode layer's experts cost two launches. Launch
 shapes come from a table per run length (`moe_launch`), which scripts/moe_sweep.py measures
 per GPU.
 """
@@ -31,7 +29,6 @@ import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 from kestrel.layers.gemv import row_dots
-from kestrel.layers.moe import expected_repeats
 
 # Per-row float32 scales of w13 and w2 where the experts are float8, else None.
 ExpertScales = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -102,10 +99,11 @@ def moe_launch(num_rows: int, num_experts: int) -> MoeLaunch:
 
 
 @triton.jit
-def _choose(
+def route_kernel(
     logits_ptr,
     shared_logits_ptr,
-    token,
+    weights_ptr,
+    experts_ptr,
     num_experts,
     stride_logits,
     stride_shared,
@@ -116,11 +114,14 @@ def _choose(
     EXPERTS_POW2: tl.constexpr,
     SLOTS_POW2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
-    """Token `token`'s choices (weights float32 and experts int32, [SLOTS_POW2], then the slot
-    indices): the TOP_K largest of softmax(logits) in float32 (the first index wins a tie),
-    renormalised to sum to one if asked, times routed_scale; then NUM_SHARED always-on experts
-    (indices num_experts, ...), each weighted by sigmoid(its gate's logit) where GATED, else 1."""
+    """One token's choices: the TOP_K largest of softmax(logits) in float32 (the first index
+    wins a tie), renormalised to sum to one if asked, times routed_scale; then NUM_SHARED
+    always-on experts (indices num_experts, ...), each weighted by sigmoid(its gate's logit)
+    where GATED, else by 1."""
+    wait_for_inputs(DEPENDENT)
+    token = tl.program_id(0)
     ids = tl.arange(0, EXPERTS_POW2)
     inside = ids < num_experts
     logits = tl.load(logits_ptr + token * stride_logits + ids, mask=inside, other=float("-inf")).to(tl.float32)
@@ -145,34 +146,6 @@ def _choose(
             weight = tl.sigmoid(tl.load(shared_logits_ptr + token * stride_shared + shared).to(tl.float32))
         chosen_weights = tl.where(slots == TOP_K + shared, weight, chosen_weights)
         chosen_experts = tl.where(slots == TOP_K + shared, num_experts + shared, chosen_experts)
-    return chosen_weights, chosen_experts, slots
-
-
-@triton.jit
-def route_kernel(
-    logits_ptr,
-    shared_logits_ptr,
-    weights_ptr,
-    experts_ptr,
-    num_experts,
-    stride_logits,
-    stride_shared,
-    routed_scale,
-    TOP_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr,
-    GATED: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,
-    SLOTS_POW2: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    DEPENDENT: tl.constexpr,
-):
-    """One token's choices (`_choose`), stored [TOP_K + NUM_SHARED] per token."""
-    wait_for_inputs(DEPENDENT)
-    token = tl.program_id(0)
-    chosen_weights, chosen_experts, slots = _choose(
-        logits_ptr, shared_logits_ptr, token, num_experts, stride_logits, stride_shared, routed_scale,
-        TOP_K, NUM_SHARED, GATED, EXPERTS_POW2, SLOTS_POW2, RENORMALIZE,
-    )  # fmt: skip
     width = TOP_K + NUM_SHARED
     out = token * width + slots
     tl.store(weights_ptr + out, chosen_weights.to(weights_ptr.dtype.element_ty), mask=slots < width)
@@ -520,8 +493,6 @@ def _expert_gate_up_kernel(
     weights_ptr,
     experts_ptr,
     out_ptr,
-    logits_ptr,
-    shared_logits_ptr,
     inter,
     K,
     stride_x,
@@ -529,22 +500,11 @@ def _expert_gate_up_kernel(
     stride_w_n,
     stride_scales,
     stride_bias,
-    num_experts,
-    stride_logits,
-    stride_shared,
-    routed_scale,
     WIDTH: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     WEIGHT_INPUT: tl.constexpr,
-    ROUTE: tl.constexpr,
-    TOP_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr,
-    GATED: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,
-    SLOTS_POW2: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -552,28 +512,10 @@ def _expert_gate_up_kernel(
     """out[row, n] = the activation of gate[n] and up[n] of routed row `row` (token row //
     WIDTH) through its expert's gate rows w13[e, :inter] and up rows w13[e, inter:], float32
     throughout; with HAS_SCALE, float8 rows, each dot times its row's scale; HAS_BIAS and
-    WEIGHT_INPUT as `grouped_matmul_kernel`'s. With ROUTE, each program routes its token from
-    the router's logits itself (`_choose`, as `route_kernel`) and the token's first program
-    stores the choices for the down kernel: the routing launch is gone."""
+    WEIGHT_INPUT as `grouped_matmul_kernel`'s."""
     row = tl.program_id(0)
-    wait_for_inputs(DEPENDENT)  # the expert comes from the routing: nothing to prefetch
-    if ROUTE:
-        token, choice = row // WIDTH, row % WIDTH
-        chosen_weights, chosen_experts, slots = _choose(
-            logits_ptr, shared_logits_ptr, token, num_experts, stride_logits, stride_shared, routed_scale,
-            TOP_K, NUM_SHARED, GATED, EXPERTS_POW2, SLOTS_POW2, RENORMALIZE,
-        )  # fmt: skip
-        expert = tl.sum(tl.where(slots == choice, chosen_experts, 0), axis=0).to(tl.int64)
-        row_weight = tl.sum(tl.where(slots == choice, chosen_weights, 0.0), axis=0)
-        if (choice == 0) & (tl.program_id(1) == 0):
-            chosen = token * WIDTH + slots
-            tl.store(weights_ptr + chosen, chosen_weights.to(weights_ptr.dtype.element_ty), mask=slots < WIDTH)
-            tl.store(experts_ptr + chosen, chosen_experts, mask=slots < WIDTH)
-    else:
-        expert = tl.load(experts_ptr + row).to(tl.int64)
-        row_weight = 1.0
-        if WEIGHT_INPUT:
-            row_weight = tl.load(weights_ptr + row).to(tl.float32)
+    wait_for_inputs(DEPENDENT)  # the expert comes from the routing kernel: nothing to prefetch
+    expert = tl.load(experts_ptr + row).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < inter
     x_row = x_ptr + (row // WIDTH) * stride_x
@@ -584,8 +526,9 @@ def _expert_gate_up_kernel(
         gate *= tl.load(row_scales, mask=in_cols, other=0.0)
         up *= tl.load(row_scales + inter, mask=in_cols, other=0.0)
     if WEIGHT_INPUT:
-        gate *= row_weight
-        up *= row_weight
+        weight = tl.load(weights_ptr + row).to(tl.float32)
+        gate *= weight
+        up *= weight
     if HAS_BIAS:
         row_bias = bias_ptr + expert * stride_bias + cols
         gate += tl.load(row_bias, mask=in_cols, other=0.0).to(tl.float32)
@@ -671,42 +614,6 @@ def matvec_launches(inter: int, hidden: int) -> tuple[MatvecLaunch, MatvecLaunch
     return gate_up, down
 
 
-@dataclass(frozen=True)
-class RouterLogits:
-    """What `route` takes, for the expert matvecs to route from themselves: the router's
-    logits [tokens, experts] (any row stride) and the always-on experts' gate logits
-    [tokens, num_shared] where they are gated."""
-
-    logits: torch.Tensor
-    top_k: int
-    renormalize: bool
-    shared_logits: torch.Tensor | None = None
-    num_shared: int = 0
-    routed_scale: float = 1.0
-
-    @property
-    def width(self) -> int:
-        return self.top_k + self.num_shared
-
-
-def routed_expert_matvecs(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    router: RouterLogits,
-    scales: ExpertScales = (None, None),
-    form: ExpertForm = PLAIN,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`expert_matvecs` routing each token inside the gate/up launch (no routing launch):
-    returns the output and the choices made (weights in hidden's dtype, int32 experts, each
-    [tokens, top_k + num_shared], as `route` returns them)."""
-    shape = (hidden.shape[0], router.width)
-    weights = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
-    experts = torch.empty(shape, dtype=torch.int32, device=hidden.device)
-    out = expert_matvecs(hidden, w13, w2, weights.view(-1), experts, scales=scales, form=form, router=router)
-    return out, weights, experts
-
-
 def expert_matvecs(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -716,11 +623,9 @@ def expert_matvecs(
     launches: tuple[MatvecLaunch, MatvecLaunch] | None = None,
     scales: ExpertScales = (None, None),
     form: ExpertForm = PLAIN,
-    router: RouterLogits | None = None,
 ) -> torch.Tensor:
     """`fused_moe` for rows that share no expert: one matrix-vector product per routed row,
-    in two launches (gate/up with its activation, then down summed over each token's experts).
-    With `router`, `weights` and `experts` are filled by the gate/up launch."""
+    in two launches (gate/up with its activation, then down summed over each token's experts)."""
     tokens, width = experts.shape
     s13, s2 = scales
     b13, b2 = form.w13_bias, form.w2_bias
@@ -729,8 +634,6 @@ def expert_matvecs(
     activated = torch.empty((tokens * width, inter), dtype=hidden.dtype, device=hidden.device)
     out = torch.empty((tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     pdl = dependent_launch_args(hidden.device)
-    logits = hidden if router is None else router.logits
-    shared_logits = None if router is None else router.shared_logits
     _expert_gate_up_kernel[(tokens * width, triton.cdiv(inter, gate_up.block_n))](
         hidden,
         w13,
@@ -739,8 +642,6 @@ def expert_matvecs(
         weights,
         experts,
         activated,
-        logits,
-        logits if shared_logits is None else shared_logits,
         inter,
         hidden_size,
         hidden.stride(0),
@@ -748,22 +649,11 @@ def expert_matvecs(
         w13.stride(1),
         0 if s13 is None else s13.stride(0),
         0 if b13 is None else b13.stride(0),
-        0 if router is None else logits.shape[1],
-        logits.stride(0),
-        0 if shared_logits is None else shared_logits.stride(0),
-        1.0 if router is None else router.routed_scale,
         WIDTH=width,
         HAS_SCALE=s13 is not None,
         HAS_BIAS=b13 is not None,
         ACTIVATION=form.activation,
         WEIGHT_INPUT=form.weights_scale_input,
-        ROUTE=router is not None,
-        TOP_K=0 if router is None else router.top_k,
-        NUM_SHARED=0 if router is None else router.num_shared,
-        GATED=shared_logits is not None,
-        EXPERTS_POW2=1 if router is None else triton.next_power_of_2(logits.shape[1]),
-        SLOTS_POW2=triton.next_power_of_2(width),
-        RENORMALIZE=router is not None and router.renormalize,
         BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k,
         num_warps=gate_up.num_warps,
@@ -795,6 +685,12 @@ def expert_matvecs(
         **pdl,
     )
     return out
+
+
+def expected_repeats(num_rows: int, num_experts: int) -> float:
+    """How many pairs of rows routed at random pick the same expert: the weight reads that
+    one-row blocks repeat where grouping would share them."""
+    return num_rows * (num_rows - 1) / (2 * num_experts)
 
 
 def fused_moe(

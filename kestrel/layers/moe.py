@@ -187,30 +187,7 @@ class SparseMoe(nn.Module):
         return append_always_on(weights, experts, self.num_experts, num_shared, shared_logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.route_and_mix(hidden, self.gate(hidden))
-
-    def route_and_mix(
-        self,
-        hidden: torch.Tensor,
-        logits: torch.Tensor,
-        shared_logits: torch.Tensor | None = None,
-        always_on: bool = False,
-        routed_scale: float = 1.0,
-    ) -> torch.Tensor:
-        """`mix_experts` of `pick`'s choices from the router's logits (the same arguments). On
-        CUDA, where the step's routed rows would rarely share an expert (a decode step of one or
-        two requests), the experts' first matvec routes each token itself: one launch fewer a
-        layer."""
-        num_shared = self.num_always_on if always_on or shared_logits is not None else 0
-        routed_rows = hidden.shape[0] * (self.top_k + num_shared)
-        if ops.runs_kernels(hidden) and hidden.shape[0] and expected_repeats(routed_rows, self.num_stacked) < 1:
-            from kestrel.layers.fused_moe import RouterLogits, routed_expert_matvecs
-
-            router = RouterLogits(logits, self.top_k, self.renormalize, shared_logits, num_shared, routed_scale)
-            w13, w2 = self.experts.w13, self.experts.w2
-            out, _, _ = routed_expert_matvecs(hidden, w13.weight, w2.weight, router, scales=(w13.scales, w2.scales))
-            return self.parallel.all_reduce(out)
-        return self.mix_experts(hidden, *self.pick(logits, hidden.dtype, shared_logits, always_on, routed_scale))
+        return self.mix_experts(hidden, *self.route(hidden))
 
     def routed_experts(self) -> RoutedExperts:
         return RoutedExperts(self.num_experts, self.top_k, (self.experts.w13.weight, self.experts.w2.weight))
@@ -250,12 +227,6 @@ class SparseMoe(nn.Module):
             expert_out = ops.linear(F.silu(gate) * up, w2.expert(expert, hidden.dtype))
             out.index_add_(0, rows, expert_out * row_weights[:, None])
         return out
-
-
-def expected_repeats(num_rows: int, num_experts: int) -> float:
-    """How many pairs of rows routed at random pick the same expert: the weight reads that
-    one-row blocks repeat where grouping would share them (layers/fused_moe.py)."""
-    return num_rows * (num_rows - 1) / (2 * num_experts)
 
 
 def append_always_on(

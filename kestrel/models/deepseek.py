@@ -151,21 +151,12 @@ class DeepseekMoe(SparseMoe):
         self.routing = spec.routing
         self.gate = DeepseekRouter(spec.hidden_size, moe.num_experts, spec.routing.correction_bias)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._greedy_on_kernels(hidden):  # V2's greedy top-k: the plain router's kernel path
-            scale = self.routing.scaling_factor
-            return self.route_and_mix(hidden, self.gate(hidden), always_on=True, routed_scale=scale)
-        return self.mix_experts(hidden, *self.route(hidden))
-
-    def _greedy_on_kernels(self, hidden: torch.Tensor) -> bool:
-        return ops.runs_kernels(hidden) and self.routing.scoring == SOFTMAX and self.routing.num_groups == 1
-
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed choices, then the shared experts (weight 1)."""
         routing = self.routing
-        if self._greedy_on_kernels(hidden):
+        if ops.runs_kernels(hidden) and routing.scoring == SOFTMAX and routing.num_groups == 1:
             # V2's greedy top-k of a softmax: the fused routing kernel, on the router's logits
             # in the model's dtype (where float32 logits took four launches more).
             return self.pick(self.gate(hidden), hidden.dtype, always_on=True, routed_scale=routing.scaling_factor)

@@ -357,9 +357,9 @@ class SharedExpertMoe(SparseMoe):
         logits = self.gate(hidden)
         routed, shared_logits = logits[:, : self.num_experts], logits[:, self.num_experts :]
         if self.num_stacked == self.num_experts:
-            mixed = self.route_and_mix(hidden, routed)
+            mixed = self.mix_experts(hidden, *self.pick(routed, hidden.dtype))
             return mixed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
-        return self.route_and_mix(hidden, routed, shared_logits)
+        return self.mix_experts(hidden, *self.pick(routed, hidden.dtype, shared_logits))
 
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None

@@ -48,8 +48,6 @@ MOE_ROUTE = {
     "experts_ptr": "*i32",
     "routed_scale": "fp32",
 }
-# The expert matvecs' gate/up launch when given the choices; MOE_ROUTING when it routes itself.
-NO_ROUTING = dict(ROUTE=False, TOP_K=0, NUM_SHARED=0, GATED=False, EXPERTS_POW2=1, SLOTS_POW2=8, RENORMALIZE=False)
 GATED_DELTA = RECURRENT_STEP | {"out_ptr": "*bf16", "scale": "fp32"}
 GATED_DELTA |= {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16"}
 QWEN3_NEXT_DELTA = dict(NUM_KEY_HEADS=16, NUM_VALUE_HEADS=32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)
@@ -200,29 +198,18 @@ CASES = {
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
         dict(WIDTH=8, HAS_SCALE=False, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True)
-        | NO_ROUTING
-        | dict(BLOCK_N=2, BLOCK_K=2048),
-    ),
-    "moe_expert_gate_up_routing": (  # Qwen3-Next at batch 1: top 10 of 512 and the gated shared expert
-        fused_moe._expert_gate_up_kernel,
-        {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16", "weights_ptr": "*bf16"}
-        | {"logits_ptr": "*bf16", "shared_logits_ptr": "*bf16", "routed_scale": "fp32"},
-        dict(WIDTH=11, HAS_SCALE=False, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True)
-        | dict(ROUTE=True, TOP_K=10, NUM_SHARED=1, GATED=True, EXPERTS_POW2=512, SLOTS_POW2=16, RENORMALIZE=True)
         | dict(BLOCK_N=2, BLOCK_K=2048),
     ),
     "moe_expert_gate_up_gpt_oss": (
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*bf16", "bias_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
         dict(WIDTH=4, HAS_SCALE=False, HAS_BIAS=True, ACTIVATION=1, WEIGHT_INPUT=False, DEPENDENT=True)
-        | NO_ROUTING
         | dict(BLOCK_N=2, BLOCK_K=4096),
     ),
     "moe_expert_gate_up_float8": (
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32", "out_ptr": "*bf16"},
         dict(WIDTH=8, HAS_SCALE=True, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True)
-        | NO_ROUTING
         | dict(BLOCK_N=2, BLOCK_K=2048),
     ),
     "moe_expert_down_sum": (

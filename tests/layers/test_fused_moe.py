@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
 
-from kestrel.core.kernel_branches import kernels_on_cpu
 from kestrel.core.parallel import SINGLE
 from kestrel.layers.fused_moe import (
     MatvecLaunch,
     MoeLaunch,
-    RouterLogits,
     expected_repeats,
     expert_matvecs,
     fused_moe,
     group_by_expert,
     moe_launch,
     route,
-    routed_expert_matvecs,
     sort_by_expert,
 )
 from kestrel.layers.moe import SparseMoe
@@ -165,53 +161,6 @@ def test_expert_matvecs_sum_each_tokens_experts_as_the_torch_path(launches):
     expected = moe.grouped(hidden, weights, experts)
     got = expert_matvecs(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts, launches)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize(
-    ("num_shared", "gated", "routed_scale"),
-    [(0, False, 1.0), (1, True, 1.0), (2, False, 1.5)],
-    ids=["routed-only", "gated-shared", "always-on-scaled"],
-)
-def test_expert_matvecs_that_route_themselves_choose_and_sum_as_routing_first(
-    renormalize, num_shared, gated, routed_scale
-):
-    """The gate/up launch routes each token from the router's logits (the routing kernel's
-    choices, stored for the down launch): the same choices and sum as routing, then mixing;
-    with a gated always-on expert stacked after the routed ones (Qwen3-Next's shared expert),
-    or two weighted 1 beside scaled routed weights (DeepSeek-V2's)."""
-    torch.manual_seed(3)
-    num_experts, top_k = 6, 2
-    moe = SparseMoe(40, 36, num_experts, top_k, renormalize, num_stacked=num_experts + num_shared).to(DEVICE)
-    for param in moe.parameters():
-        param.data.normal_(0, 0.2)
-    hidden = torch.randn(2, 40, device=DEVICE)
-    logits = torch.randn(2, num_experts + 1, device=DEVICE)[:, :num_experts]  # a strided view, as sliced
-    shared_logits = torch.randn(2, num_shared, device=DEVICE) if gated else None
-    weights, experts = route(logits, top_k, renormalize, hidden.dtype, shared_logits, num_shared, routed_scale)
-    expected = moe.grouped(hidden, weights, experts)
-    router = RouterLogits(logits, top_k, renormalize, shared_logits, num_shared, routed_scale)
-    w13, w2 = moe.experts.w13.weight, moe.experts.w2.weight
-    got, got_weights, got_experts = routed_expert_matvecs(hidden, w13, w2, router)
-    assert torch.equal(got_experts, experts)
-    torch.testing.assert_close(got_weights, weights, atol=1e-6, rtol=0)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-
-
-def test_a_sparse_moe_routes_inside_its_matvecs_where_rows_rarely_share_an_expert():
-    """`route_and_mix` at one token (the matvecs route it) and at many (routing, then the
-    grouped matmuls): both the torch path's answer."""
-    torch.manual_seed(4)
-    moe = SparseMoe(64, 32, 16, 4, True).to(DEVICE)
-    for param in moe.parameters():
-        param.data.normal_(0, 0.2)
-    for tokens in (1, 12):
-        hidden = torch.randn(tokens, 64, device=DEVICE)
-        logits = moe.gate(hidden)
-        expected = moe.grouped(hidden, *moe.route_reference(logits, hidden.dtype))
-        with kernels_on_cpu() if DEVICE == "cpu" else contextlib.nullcontext():
-            got = moe.route_and_mix(hidden, logits)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
 def test_pipeline_stages_shrink_to_fit_shared_memory():
