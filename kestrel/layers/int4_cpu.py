@@ -3,9 +3,9 @@
 torch's `_weight_int4pack_mm_for_cpu` widens every code to bfloat16 before it multiplies and
 streams its weight without prefetching; on a 2-core Xeon it reads 10-13 GB/s of codes where the
 machine copies 27-31. This kernel holds each activation as an integer of two int8 digits per
-group of 32 (about 14 bits of the group's largest value), multiplies 64 codes by 64 digits with
-one vpdpbusd, and prefetches the codes a few rows ahead: the demo model's 120 decoder matvecs
-take 3.0 ms against torch's 5.2-5.8 (scripts/int4_cpu_bench.py), and its activations are held
+group of 32 (about 14 bits of the group's largest value), multiplies 64 codes by 64 activations
+with two vpdpbusd (one per digit), and prefetches the codes a few rows ahead: the demo model's 120 decoder matvecs
+take 3.0 ms against torch's 4.9-5.8 (scripts/int4_cpu_bench.py), and its activations are held
 closer to float32 than torch's bfloat16 ones.
 
 Where the kernels cannot run (core/runtime/cpu_kernels.py) the 4-bit weights stay in torch's
@@ -58,9 +58,9 @@ def matvec(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor)
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in torch: x rounded to int8 per group of 32 (its largest
-    magnitude -> 127, ties to even) times each code's scale, plus each group's zero - 8 * scale
-    times the group's exact sum of x."""
+    """What the kernel computes, in torch: x rounded per group of 32 to integers whose largest
+    magnitude is 127 * 128 (two int8 digits; ties to even) times each code's scale, plus each
+    group's zero - 8 * scale times the group's exact sum of x."""
     rows, in_features = x.shape
     groups = x.float().reshape(rows, in_features // GROUP_SIZE, GROUP_SIZE)
     step = groups.abs().amax(-1, keepdim=True) / _LARGEST

@@ -15,8 +15,8 @@ A one-row CPU linear reads its weight once per step, so the step's time is the w
 over memory bandwidth: 4-bit weights read an eighth of float32's bytes (measured on a 2-core
 Xeon: a 1536 x 576 matvec 219 us in float32, 46 us in 4-bit). The kernel computes in bfloat16
 (its float32 variant is many times slower), so activations are rounded to bfloat16 on the way
-in and the output cast back to the model's dtype. The VNNI kernel holds activations as integers of about 14
-bits per group of 32 instead, closer to float32 than bfloat16 is.
+in and the output cast back to the model's dtype. The VNNI kernel holds activations as
+integers of about 14 bits per group of 32 instead, closer to float32 than bfloat16 is.
 
 Weights are quantized after loading, from the bound float weights (round to nearest, each
 group's minimum and maximum spanning 0..15: the GGUF Q4_1 recipe), so any checkpoint can be
@@ -92,8 +92,8 @@ class Int4Weight:
 @dataclass(frozen=True)
 class Int4VnniWeight:
     """The same 4-bit values in the layout of Kestrel's AVX-512 VNNI matvec (layers/int4_cpu.py),
-    which reads them about 1.4x as fast as torch's kernel at one row; with the bfloat16 copy
-    for steps of many rows as `Int4Weight` has."""
+    which reads them 1.6-1.9x as fast as torch's kernel at one row (slower from 4 rows); with the
+    bfloat16 copy for steps of many rows as `Int4Weight` has."""
 
     codes: torch.Tensor  # uint8 [out_features, in_features / 2]
     scales_and_zeros: torch.Tensor  # bfloat16 [2, out_features, in_features / group_size]
@@ -272,7 +272,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight | Int4VnniWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for 2-D `x`, returned in x's dtype: in bfloat16 by torch's kernel or
-    the bfloat16 copy, with int8 activations by the VNNI kernel."""
+    the bfloat16 copy, with two-digit int8 activations by the VNNI kernel."""
     if weight.wide is not None and x.shape[0] >= WIDE_MIN_ROWS:
         out = F.linear(x.to(COMPUTE_DTYPE), weight.wide).to(x.dtype)
     elif isinstance(weight, Int4VnniWeight):

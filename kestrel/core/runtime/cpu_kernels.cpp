@@ -1,8 +1,9 @@
 // Kestrel's CPU kernels for AVX-512 VNNI machines (core/runtime/cpu_kernels.py): a 4-bit matvec,
 // a float32 matvec and decode attention over the compiled steps' mirrors.
 //
-// The 4-bit matvec (layers/int4_cpu.py): each row of activations is held as integers with a scale per group of 32 columns (the
-// group's largest magnitude -> 127 * 128), each integer as two int8 digits (high * 128 + low),
+// The 4-bit matvec (layers/int4_cpu.py): each row of activations is held as integers with a
+// scale per group of 32 columns (the group's largest magnitude -> 127 * 128), each integer as
+// two int8 digits (high * 128 + low),
 // so that two vpdpbusd multiply 64 unsigned 4-bit codes by 64 activations and sum them by fours
 // into int32 lanes: a few instructions per 128 weights, where widening every code to a float
 // costs more than reading it from memory. One int8 digit alone (llama.cpp's Q8 blocks) is
