@@ -7,15 +7,16 @@ projection (scaled by the routing weight). All shapes depend only on the token c
 on the routing, so nothing is read back to the host and a step can be captured in a graph.
 
 Routing is one kernel (`route`: softmax, top-k, renormalisation and any always-on shared
-expert per token). The grouping is three small kernels (count each expert's rows; lay out
-each expert's run; place each row), each spread over many programs, not a sort: a decode
-step runs it in every layer, where a dozen torch ops cost more than the matmuls' bytes.
-Where so few rows are routed that no expert is likely to get two (a decode step of one or
-two requests), there is no grouping and no matmul tile: each routed row is a matrix-vector
-product (`expert_matvecs`), the gate/up one with its activation, the down one summing a
-token's experts as it reads them, so a decode layer's experts cost two launches. Launch
-shapes come from a table per run length (`moe_launch`), which scripts/moe_sweep.py measures
-per GPU.
+expert per token), one warp per token. For one row it is folded into the router's matvec
+(`gemv_route`): the last of its programs to finish routes. The grouping is three small
+kernels (count each expert's rows; lay out each expert's run; place each row), each spread
+over many programs, not a sort: a decode step runs it in every layer, where a dozen torch
+ops cost more than the matmuls' bytes. Where so few rows are routed that no expert is likely
+to get two (a decode step of one or two requests), there is no grouping and no matmul tile:
+each routed row is a matrix-vector product (`expert_matvecs`), the gate/up one with its
+activation, the down one summing a token's experts as it reads them, so a decode layer's
+experts cost two launches. Launch shapes come from a table per run length (`moe_launch`),
+which scripts/moe_sweep.py measures per GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
-from kestrel.layers.gemv import row_dots
+from kestrel.layers.gemv import MATVEC_CONFIGS, row_dots
 
 # Per-row float32 scales of w13 and w2 where the experts are float8, else None.
 ExpertScales = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -99,6 +100,59 @@ def moe_launch(num_rows: int, num_experts: int) -> MoeLaunch:
 
 
 @triton.jit
+def _route_token(
+    logits_ptr,
+    shared_logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    num_experts,
+    routed_scale,
+    TOP_K: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
+    GATED: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    SLOTS_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """One token's choices from its logits at `logits_ptr` (and shared gates' at
+    `shared_logits_ptr`), stored at `weights_ptr` / `experts_ptr`: `route_kernel`'s rule.
+    CACHE is the logits' load modifier (".cg" reads past this multiprocessor's L1, for
+    logits other programs of the same launch wrote)."""
+    ids = tl.arange(0, EXPERTS_POW2)
+    inside = ids < num_experts
+    logits = tl.load(logits_ptr + ids, mask=inside, other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = tl.where(inside, probs / tl.sum(probs, axis=0), -1.0)
+    # Each pick is one reduction: a probability's bits (non-negative floats order as their
+    # bits do) above the complement of its index (so the first index wins a tie).
+    keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EXPERTS_POW2 - 1 - ids).to(tl.int64)
+    slots = tl.arange(0, SLOTS_POW2)
+    chosen_weights = tl.zeros((SLOTS_POW2,), dtype=tl.float32)
+    chosen_experts = tl.zeros((SLOTS_POW2,), dtype=tl.int32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        # NaN logits may win any pick; the clamp keeps even those rows inside the weights.
+        first = tl.minimum(EXPERTS_POW2 - 1 - (best & 0xFFFFFFFF).to(tl.int32), num_experts - 1)
+        chosen_weights = tl.where(slots == choice, weight, chosen_weights)
+        chosen_experts = tl.where(slots == choice, first, chosen_experts)
+        keys = tl.where(keys == best, -1, keys)
+    if RENORMALIZE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
+    chosen_weights *= routed_scale
+    for shared in tl.static_range(NUM_SHARED):
+        weight = 1.0
+        if GATED:
+            weight = tl.sigmoid(tl.load(shared_logits_ptr + shared, cache_modifier=CACHE).to(tl.float32))
+        chosen_weights = tl.where(slots == TOP_K + shared, weight, chosen_weights)
+        chosen_experts = tl.where(slots == TOP_K + shared, num_experts + shared, chosen_experts)
+    width = TOP_K + NUM_SHARED
+    tl.store(weights_ptr + slots, chosen_weights.to(weights_ptr.dtype.element_ty), mask=slots < width)
+    tl.store(experts_ptr + slots, chosen_experts, mask=slots < width)
+
+
+@triton.jit
 def route_kernel(
     logits_ptr,
     shared_logits_ptr,
@@ -122,34 +176,22 @@ def route_kernel(
     where GATED, else by 1."""
     wait_for_inputs(DEPENDENT)
     token = tl.program_id(0)
-    ids = tl.arange(0, EXPERTS_POW2)
-    inside = ids < num_experts
-    logits = tl.load(logits_ptr + token * stride_logits + ids, mask=inside, other=float("-inf")).to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, axis=0))
-    remaining = tl.where(inside, probs / tl.sum(probs, axis=0), -1.0)
-    slots = tl.arange(0, SLOTS_POW2)
-    chosen_weights = tl.zeros((SLOTS_POW2,), dtype=tl.float32)
-    chosen_experts = tl.zeros((SLOTS_POW2,), dtype=tl.int32)
-    for choice in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        # NaN logits match no maximum; the clamp keeps even those rows inside the weights.
-        first = tl.minimum(tl.min(tl.where(remaining == best, ids, EXPERTS_POW2), axis=0), num_experts - 1)
-        chosen_weights = tl.where(slots == choice, best, chosen_weights)
-        chosen_experts = tl.where(slots == choice, first, chosen_experts)
-        remaining = tl.where(ids == first, -1.0, remaining)
-    if RENORMALIZE:
-        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
-    chosen_weights *= routed_scale
-    for shared in tl.static_range(NUM_SHARED):
-        weight = 1.0
-        if GATED:
-            weight = tl.sigmoid(tl.load(shared_logits_ptr + token * stride_shared + shared).to(tl.float32))
-        chosen_weights = tl.where(slots == TOP_K + shared, weight, chosen_weights)
-        chosen_experts = tl.where(slots == TOP_K + shared, num_experts + shared, chosen_experts)
-    width = TOP_K + NUM_SHARED
-    out = token * width + slots
-    tl.store(weights_ptr + out, chosen_weights.to(weights_ptr.dtype.element_ty), mask=slots < width)
-    tl.store(experts_ptr + out, chosen_experts, mask=slots < width)
+    out = token * (TOP_K + NUM_SHARED)
+    _route_token(
+        logits_ptr + token * stride_logits,
+        shared_logits_ptr + token * stride_shared,
+        weights_ptr + out,
+        experts_ptr + out,
+        num_experts,
+        routed_scale,
+        TOP_K,
+        NUM_SHARED,
+        GATED,
+        EXPERTS_POW2,
+        SLOTS_POW2,
+        RENORMALIZE,
+        "",
+    )
 
 
 def route(
@@ -186,8 +228,135 @@ def route(
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         SLOTS_POW2=triton.next_power_of_2(width),
         RENORMALIZE=renormalize,
+        num_warps=route_warps(num_experts),
         **dependent_launch_args(logits.device),
     )
+    return weights, experts
+
+
+def route_warps(num_experts: int) -> int:
+    """One warp for a token's routing up to 1,024 experts: its picks are serial reductions,
+    and within a warp each is a few register shuffles, where four warps meet in shared memory
+    for every one."""
+    return 1 if num_experts <= 1024 else 4
+
+
+@triton.jit
+def _gemv_route_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    logits_ptr,
+    arrivals_ptr,
+    weights_ptr,
+    experts_ptr,
+    N,
+    K,
+    stride_w,
+    num_experts,
+    routed_scale,
+    HAS_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
+    GATED: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    SLOTS_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The router's logits w @ x (+ bias) for BLOCK_N rows per program, stored in x's dtype
+    (as the router linear rounds them); the last program to finish routes the token from all
+    of them (`_route_token`) and sets `arrivals` back to zero for the next launch."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    dots, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        dots += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    tl.store(logits_ptr + rows, dots.to(logits_ptr.dtype.element_ty), mask=in_rows)
+    # Every thread's stores, then one release: the program that arrives last acquires them all.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        _route_token(
+            logits_ptr,
+            logits_ptr + num_experts,
+            weights_ptr,
+            experts_ptr,
+            num_experts,
+            routed_scale,
+            TOP_K,
+            NUM_SHARED,
+            GATED,
+            EXPERTS_POW2,
+            SLOTS_POW2,
+            RENORMALIZE,
+            ".cg",
+        )
+        tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+
+
+_tuned_gemv_route_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_route_kernel)
+
+# One arrival counter per device, zero between launches (each launch's last program resets
+# it). Launches on one device run one after another in stream order, which all of Kestrel's
+# forward passes do; two streams routing at once on one device would share it.
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counter(device: torch.device) -> torch.Tensor:
+    counter = _arrivals.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Made inside a capture, its zeroing would run at replay only, not before.
+            raise RuntimeError("gemv_route's first call must come before graph capture (a warm-up forward)")
+        counter = _arrivals[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def gemv_route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+    num_gated_shared: int = 0,
+    config: triton.Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` of one token's router logits x [1, K] @ weight[N, K].T (+ bias), in one launch
+    (the router's matvec and the routing cost one launch, where they cost two): weights in x's
+    dtype and int32 experts, [1, top_k + num_gated_shared]. The rows past `num_experts` are
+    the gates of always-on experts (Qwen3-Next's shared expert), each weighted by its sigmoid.
+    The launch configuration is the matvec's, autotuned per shape unless given (tests)."""
+    rows, k = weight.shape
+    if x.shape != (1, k) or weight.stride(1) != 1 or rows != num_experts + num_gated_shared:
+        raise ValueError(
+            f"gemv_route takes x [1, {k}] and a row-major weight of {num_experts} + {num_gated_shared} rows; "
+            f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    width = top_k + num_gated_shared
+    logits = torch.empty(rows, dtype=x.dtype, device=x.device)
+    weights = torch.empty((1, width), dtype=x.dtype, device=x.device)
+    experts = torch.empty((1, width), dtype=torch.int32, device=x.device)
+    args = (x.contiguous(), weight, logits if bias is None else bias, logits, _arrival_counter(x.device))
+    args += (weights, experts, rows, k, weight.stride(0), num_experts, 1.0)
+    constants = dict(
+        HAS_BIAS=bias is not None,
+        TOP_K=top_k,
+        NUM_SHARED=num_gated_shared,
+        GATED=num_gated_shared > 0,
+        EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        SLOTS_POW2=triton.next_power_of_2(width),
+        RENORMALIZE=renormalize,
+        **dependent_launch_args(x.device),
+    )
+    if config is None:
+        _tuned_gemv_route_kernel[lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]),)](*args, **constants)
+    else:
+        grid = (triton.cdiv(rows, config.kwargs["BLOCK_N"]),)
+        _gemv_route_kernel[grid](*args, **constants, **config.all_kwargs())
     return weights, experts
 
 

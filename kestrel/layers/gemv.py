@@ -165,16 +165,16 @@ def _gemv_rotary_kernel(
     tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second, second), mask=in_rows)
 
 
-_CONFIGS = [
+MATVEC_CONFIGS = [
     triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
     # The best of a wide sweep on the H200 for every Llama-3-8B shape, then (on an H100) for
     # the 2048-column weights of Qwen3-30B-A3B and Qwen3-Next: their qkv rows read 2.39 TB/s
     # among the first four, 2.69 at four rows of 1024-column blocks (scripts/gemv_bench.py).
     for block_n, block_k, warps in [(1, 4096, 8), (1, 2048, 4), (2, 2048, 8), (2, 1024, 4), (4, 1024, 4), (8, 512, 4)]
 ]
-_tuned_gemv_kernel = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_gemv_kernel)
-_tuned_silu_and_mul_kernel = triton.autotune(configs=_CONFIGS, key=["WIDTH", "K"])(_gemv_silu_and_mul_kernel)
-_tuned_rotary_kernel = triton.autotune(configs=_CONFIGS, key=["PAIRS", "K"])(_gemv_rotary_kernel)
+_tuned_gemv_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_kernel)
+_tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH", "K"])(_gemv_silu_and_mul_kernel)
+_tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K"])(_gemv_rotary_kernel)
 
 
 def gemv(

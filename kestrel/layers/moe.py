@@ -148,8 +148,19 @@ class SparseMoe(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights (softmax in float32, as HF does); with
         `shared_logits` [tokens, always-on experts], the always-on experts after them, weighted
-        by their sigmoid. One kernel on CUDA."""
+        by their sigmoid. One kernel on CUDA; at one row, that kernel is the router's matvec."""
+        if shared_logits is None and ops.takes_gemv(hidden, self.gate.use_gemv):
+            return self.route_in_matvec(hidden, self.gate.weight, self.gate.bias)
         return self.pick(self.gate(hidden), hidden.dtype, shared_logits)
+
+    def route_in_matvec(
+        self, hidden: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None = None, gated_shared: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` of one row in one launch (`gemv_route`): the router's matvec, whose last
+        program routes. `router` may carry `gated_shared` rows of always-on experts' gates."""
+        from kestrel.layers.fused_moe import gemv_route
+
+        return gemv_route(hidden, router, bias, self.num_experts, self.top_k, self.renormalize, gated_shared)
 
     def pick(
         self,

@@ -45,7 +45,7 @@ def linear(
         and not torch.compiler.is_compiling()  # inductor lowers F.linear, not this op
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if _takes_gemv(x, use_gemv):
+    if takes_gemv(x, use_gemv):
         from kestrel.layers import gemv
 
         return gemv.gemv(x, weight, bias)
@@ -58,7 +58,7 @@ def linear(
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) for a weight stacking the gate rows, then the up rows: one
     kernel where a one-row linear takes the Triton matvec."""
-    if _takes_gemv(x, use_gemv):
+    if takes_gemv(x, use_gemv):
         from kestrel.layers import gemv
 
         return gemv.gemv_silu_and_mul(x, weight)
@@ -81,7 +81,7 @@ def linear_rotary(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) with `rotation` applied: one kernel where a one-row linear takes
     the Triton matvec and the rotary dim is the head's."""
-    if rotation.cos.shape[-1] == rotation.head_dim and _takes_gemv(x, use_gemv):
+    if rotation.cos.shape[-1] == rotation.head_dim and takes_gemv(x, use_gemv):
         from kestrel.layers import gemv
 
         return gemv.gemv_rotary(x, weight, bias, rotation)
@@ -94,7 +94,8 @@ def linear_rotary(
     return out
 
 
-def _takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
+def takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
+    """A one-row CUDA input of a weight `choose_matvec_kernels` marked takes layers/gemv.py."""
     return use_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES
 
 

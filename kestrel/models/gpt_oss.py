@@ -108,10 +108,17 @@ class GptOssMoe(nn.Module):
         self.experts = GptOssExperts(spec, parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.router(hidden)
+        router = self.router
+        if ops.takes_gemv(hidden, router.use_gemv):
+            from kestrel.layers.fused_moe import gemv_route
+
+            num_experts = router.out_features
+            return self._fused(hidden, *gemv_route(hidden, router.weight, router.bias, num_experts, self.top_k, True))
+        logits = router(hidden)
         if ops.runs_kernels(hidden):
             # A softmax over the top k logits is the full softmax renormalised over them: the
-            # fused routing kernel's (one launch, where top-k and softmax took three).
+            # fused routing kernel's (one launch, where top-k and softmax took three; at one
+            # row, the router's matvec routes as well).
             from kestrel.layers.fused_moe import route
 
             return self._fused(hidden, *route(logits, self.top_k, True, hidden.dtype))

@@ -354,9 +354,12 @@ class SharedExpertMoe(SparseMoe):
         self.gate = ColumnParallelLinear(spec.hidden_size, rows, quantizable=False)  # replicated
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        stacked = self.num_stacked > self.num_experts
+        if stacked and ops.takes_gemv(hidden, self.gate.use_gemv):
+            return self.mix_experts(hidden, *self.route_in_matvec(hidden, self.gate.weight, gated_shared=1))
         logits = self.gate(hidden)
         routed, shared_logits = logits[:, : self.num_experts], logits[:, self.num_experts :]
-        if self.num_stacked == self.num_experts:
+        if not stacked:
             mixed = self.mix_experts(hidden, *self.pick(routed, hidden.dtype))
             return mixed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
         return self.mix_experts(hidden, *self.pick(routed, hidden.dtype, shared_logits))
@@ -365,6 +368,8 @@ class SharedExpertMoe(SparseMoe):
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts' choices (the router's rows before the shared gate's)."""
+        if shared_logits is None and ops.takes_gemv(hidden, self.gate.use_gemv):
+            return self.route_in_matvec(hidden, self.gate.weight[: self.num_experts])
         return self.pick(self.gate(hidden)[:, : self.num_experts], hidden.dtype, shared_logits)
 
 

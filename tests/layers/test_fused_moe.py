@@ -14,6 +14,7 @@ from kestrel.layers.fused_moe import (
     expected_repeats,
     expert_matvecs,
     fused_moe,
+    gemv_route,
     group_by_expert,
     moe_launch,
     route,
@@ -288,3 +289,41 @@ def test_gpt_oss_routing_is_the_fused_kernels_renormalised_softmax():
     weights, experts = route(logits.to(DEVICE), 4, True, torch.float32)
     assert experts.cpu().long().tolist() == expected_experts.tolist()
     torch.testing.assert_close(weights.cpu(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "num_experts, top_k, renormalize, gated_shared, bias",
+    [(128, 8, True, 0, False), (12, 3, False, 1, False), (32, 4, True, 0, True)],
+)
+@pytest.mark.parametrize("launch", [(1, 64, 1), (4, 32, 2), (8, 128, 4)])
+def test_the_router_matvec_that_routes_picks_as_a_matvec_then_the_routing_kernel(
+    num_experts, top_k, renormalize, gated_shared, bias, launch
+):
+    """gemv_route: every program's logits reach the last one to arrive, whichever it is, and
+    the arrival count is back to zero for the next call (asserted by calling it again; on a
+    GPU, where programs race, at a real router's width and many times)."""
+    import triton
+
+    from kestrel.layers.gemv import gemv
+
+    torch.manual_seed(num_experts + top_k)
+    dtype = torch.bfloat16
+    hidden, calls = (2048, 50) if DEVICE == "cuda" else (96, 2)
+    x = torch.randn(1, hidden, device=DEVICE).to(dtype)
+    weight = torch.randn(num_experts + gated_shared, hidden, device=DEVICE).to(dtype) / hidden**0.5
+    router_bias = torch.randn(num_experts, device=DEVICE).to(dtype) if bias else None
+    block_n, block_k, warps = launch
+    config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
+    logits = gemv(x, weight, router_bias, config)  # the two launches it replaces, same sums
+    shared = logits[:, num_experts:] if gated_shared else None
+    expected = route(logits[:, :num_experts], top_k, renormalize, dtype, shared, gated_shared)
+    assert expected[1].unique().numel() == top_k + gated_shared
+    for _ in range(calls):
+        got = gemv_route(x, weight, router_bias, num_experts, top_k, renormalize, gated_shared, config)
+        assert got[1].tolist() == expected[1].tolist()
+        torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+
+
+def test_the_router_matvec_that_routes_refuses_a_weight_of_the_wrong_rows():
+    with pytest.raises(ValueError, match="8 \\+ 1 rows"):
+        gemv_route(torch.zeros(1, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE), None, 8, 2, True, 1)
