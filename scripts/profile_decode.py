@@ -109,6 +109,15 @@ def full_batch_steps(llm: LLM, out: Path, batch: int = 256, steps: int = 20) -> 
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
     (out / f"host_profile_batch{batch}.txt").write_text(text.getvalue())
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(5):
+            engine.step()
+        llm.engine.parts.runtime.synchronize()
+    # Where an engine step's device time goes beyond its graph's, and the host calls in its gaps.
+    timeline = device_timeline(prof, out / f"engine_timeline_batch{batch}.trace.json", steps=5)
+    (out / f"engine_timeline_batch{batch}.json").write_text(json.dumps(timeline, indent=1))
     replay = replay_ms(engine.parts.runner.graphs, batch, steps)
     for index in range(batch):
         engine.abort_request(f"batch-{index}")

@@ -431,26 +431,35 @@ def _gated_rms_norm_kernel(
     out_ptr,
     stride_gate_token,
     stride_gate_head,
+    num_heads,
     dim,
     eps,
     BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
-    """One head of one token: norm(x) * weight (rounded as `_rms_norm_kernel` rounds) times
+    """HEADS heads of one token: norm(x) * weight (rounded as `_rms_norm_kernel` rounds) times
     silu(gate) in float32, rounded once."""
-    token, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     cols = tl.arange(0, BLOCK)
     inside = cols < dim
+    mask = (heads < num_heads)[:, None] & inside[None, :]
     weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     wait_for_inputs(DEPENDENT)
-    row = (token * heads + head) * dim
-    x = tl.load(x_ptr + row + cols, mask=inside, other=0.0)
-    gate_row = gate_ptr + token * stride_gate_token + head * stride_gate_head
-    gate = tl.load(gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+    rows = (token * num_heads + heads)[:, None] * dim + cols[None, :]
+    x = tl.load(x_ptr + rows, mask=mask, other=0.0)
+    gate_rows = gate_ptr + token * stride_gate_token + heads[:, None] * stride_gate_head + cols[None, :]
+    gate = tl.load(gate_rows, mask=mask, other=0.0).to(tl.float32)
     x32 = x.to(tl.float32)
-    inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / dim + eps)
-    normed = (weight * (x32 * inverse_rms).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row + cols, (normed * gate * tl.sigmoid(gate)).to(x.dtype), mask=inside)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / dim + eps)
+    normed = (weight[None, :] * (x32 * inverse_rms[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + rows, (normed * gate * tl.sigmoid(gate)).to(x.dtype), mask=mask)
+
+
+# Heads one gating program takes: a program per (token, head) moved 256 bytes, and a
+# prefill of 8,000 tokens launched 260,000 of them per layer (1.3 ms on an H100).
+GATE_HEADS = 16
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -460,16 +469,19 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        _gated_rms_norm_kernel[(tokens, heads)](
+        per_program = min(GATE_HEADS, triton.next_power_of_2(heads))
+        _gated_rms_norm_kernel[(tokens, triton.cdiv(heads, per_program))](
             x,
             gate,
             weight,
             out,
             gate.stride(0),
             gate.stride(1),
+            heads,
             dim,
             eps,
             BLOCK=triton.next_power_of_2(dim),
+            HEADS=per_program,
             **dependent_launch_args(x.device),
         )
     return out
@@ -477,20 +489,30 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 @triton.jit
 def _sigmoid_gate_kernel(
-    x_ptr, gate_ptr, out_ptr, stride_gate_token, stride_gate_head, dim, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr
+    x_ptr,
+    gate_ptr,
+    out_ptr,
+    stride_gate_token,
+    stride_gate_head,
+    num_heads,
+    dim,
+    BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
-    """One head of one token: x * sigmoid(gate), the sigmoid rounded to x's dtype first as
+    """HEADS heads of one token: x * sigmoid(gate), the sigmoid rounded to x's dtype first as
     torch rounds it."""
-    token, head, heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     cols = tl.arange(0, BLOCK)
-    inside = cols < dim
+    mask = (heads < num_heads)[:, None] & (cols < dim)[None, :]
     wait_for_inputs(DEPENDENT)
-    row = (token * heads + head) * dim
-    x = tl.load(x_ptr + row + cols, mask=inside, other=0.0)
-    gate_row = gate_ptr + token * stride_gate_token + head * stride_gate_head
-    gate = tl.load(gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+    rows = (token * num_heads + heads)[:, None] * dim + cols[None, :]
+    x = tl.load(x_ptr + rows, mask=mask, other=0.0)
+    gate_rows = gate_ptr + token * stride_gate_token + heads[:, None] * stride_gate_head + cols[None, :]
+    gate = tl.load(gate_rows, mask=mask, other=0.0).to(tl.float32)
     scale = tl.sigmoid(gate).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row + cols, (x.to(tl.float32) * scale).to(x.dtype), mask=inside)
+    tl.store(out_ptr + rows, (x.to(tl.float32) * scale).to(x.dtype), mask=mask)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -501,14 +523,17 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        _sigmoid_gate_kernel[(tokens, heads)](
+        per_program = min(GATE_HEADS, triton.next_power_of_2(heads))
+        _sigmoid_gate_kernel[(tokens, triton.cdiv(heads, per_program))](
             x,
             gate,
             out,
             gate.stride(0),
             gate.stride(1),
+            heads,
             dim,
             BLOCK=triton.next_power_of_2(dim),
+            HEADS=per_program,
             **dependent_launch_args(x.device),
         )
     return out

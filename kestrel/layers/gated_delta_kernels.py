@@ -18,6 +18,8 @@ kernel against the torch reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -136,6 +138,22 @@ def causal_conv_varlen(
     return out
 
 
+@triton.jit
+def _token_inputs(
+    mixed_ptr, stride_mixed, a_ptr, b_ptr, stride_gates, head, t, end, q_cols, k_cols, v_cols, in_k, in_v
+):
+    """Token t's q, k, v rows and raw gates a, b, in float32 (zeros past `end`)."""
+    valid = t < end
+    row = mixed_ptr + t * stride_mixed
+    q = tl.load(row + q_cols, mask=in_k & valid, other=0.0).to(tl.float32)
+    k = tl.load(row + k_cols, mask=in_k & valid, other=0.0).to(tl.float32)
+    v = tl.load(row + v_cols, mask=in_v & valid, other=0.0).to(tl.float32)
+    gates = t * stride_gates + head
+    a = tl.load(a_ptr + gates, mask=valid, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + gates, mask=valid, other=0.0).to(tl.float32)
+    return q, k, v, a, b
+
+
 @triton.jit(do_not_specialize_on_alignment=STEP_VECTORS)
 def gated_delta_kernel(
     mixed_ptr,
@@ -186,17 +204,21 @@ def gated_delta_kernel(
     q_offset = key_head * KEY_DIM
     k_offset = NUM_KEY_HEADS * KEY_DIM + key_head * KEY_DIM
     v_offset = 2 * NUM_KEY_HEADS * KEY_DIM + head * VALUE_DIM
+    q_cols, k_cols, v_cols = q_offset + offs_k, k_offset + offs_k, v_offset + offs_v
+    # Each token's inputs are requested one token ahead: the loads of token t + 1 are in
+    # flight while token t's reductions run, where each token waited on its own.
+    q, k, v, a, b = _token_inputs(
+        mixed_ptr, stride_mixed, a_ptr, b_ptr, stride_gates, head, start, end, q_cols, k_cols, v_cols, in_k, in_v
+    )
     for t in range(start, end):
-        row = mixed_ptr + t * stride_mixed
-        q = tl.load(row + q_offset + offs_k, mask=in_k, other=0.0).to(tl.float32)
-        k = tl.load(row + k_offset + offs_k, mask=in_k, other=0.0).to(tl.float32)
-        v = tl.load(row + v_offset + offs_v, mask=in_v, other=0.0).to(tl.float32)
+        next_q, next_k, next_v, next_a, next_b = _token_inputs(
+            mixed_ptr, stride_mixed, a_ptr, b_ptr, stride_gates, head, t + 1, end, q_cols, k_cols, v_cols, in_k, in_v
+        )
         q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-        gates = t * stride_gates + head
-        a = tl.load(a_ptr + gates).to(tl.float32) + dt_bias
+        a = a + dt_bias
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-        beta = tl.sigmoid(tl.load(b_ptr + gates).to(tl.float32))
+        beta = tl.sigmoid(b)
         state = state * tl.exp(decay_rate * softplus)
         delta = beta * (v - tl.sum(state * k[:, None], axis=0))
         state = state + k[:, None] * delta[None, :]
@@ -206,6 +228,7 @@ def gated_delta_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=in_v,
         )
+        q, k, v, a, b = next_q, next_k, next_v, next_a, next_b
     slot, save = tl.load(slots_ptr + seq).to(tl.int64), tl.load(save_slots_ptr + seq).to(tl.int64)
     stored = state.to(state_ptr.dtype.element_ty)  # float32, or a half-precision state pool
     tl.store(state_ptr + slot * stride_state_slot + head_tile, stored, mask=in_tile)
@@ -268,3 +291,80 @@ def gated_delta_varlen(
         **dependent_launch_args(mixed.device),
     )
     return out
+
+
+# Prefill rows from which a step's prefills take the chunked kernels: below them the
+# token-by-token recurrence is as quick as their several launches.
+CHUNKED_MIN_ROWS = 128
+CHUNKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _chunked_kernels_installed() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def takes_chunked(mixed: torch.Tensor, prefill_rows: int) -> bool:
+    """Whether a step's prefill rows take `gated_delta_chunked`: CUDA, half precision (its
+    dots run on tensor cores, which would not keep a float32 model's exactness), enough rows,
+    and flash-linear-attention installed."""
+    return (
+        mixed.is_cuda
+        and mixed.dtype in CHUNKED_DTYPES
+        and prefill_rows >= CHUNKED_MIN_ROWS
+        and _chunked_kernels_installed()
+    )
+
+
+def gated_delta_chunked(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: tuple[int, ...],
+    slots: torch.Tensor,
+    has_state: torch.Tensor,
+    num_key_heads: int,
+    read_slots: torch.Tensor,
+    save_slots: torch.Tensor,
+) -> torch.Tensor:
+    """`gated_delta_varlen` for prefill sequences, in chunks of 64 tokens whose products run
+    as matmuls (flash-linear-attention's chunked gated delta rule, the WY form): a sequence's
+    tokens cost a few tensor-core launches where the recurrence takes them one by one.
+    `query_start_loc` (on the host, from row 0 of `mixed`) bounds the sequences; the other
+    arguments are `gated_delta_varlen`'s. The gating (softplus decay, sigmoid beta) and the
+    query/key L2 norms run inside its kernels, as in ours."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    num_value_heads, key_dim, value_dim = state.shape[1:]
+    tokens, key_size = mixed.shape[0], num_key_heads * key_dim
+    query, key, value = mixed.split((key_size, key_size, num_value_heads * value_dim), dim=-1)
+    starting = torch.where(has_state[:, None, None, None], state[read_slots].float(), 0.0)
+    bounds = torch.tensor(query_start_loc, dtype=torch.long)
+    out, final = chunk_gated_delta_rule(
+        query.reshape(1, tokens, num_key_heads, key_dim),
+        key.reshape(1, tokens, num_key_heads, key_dim),
+        value.reshape(1, tokens, num_value_heads, value_dim),
+        a.reshape(1, tokens, num_value_heads),
+        b.reshape(1, tokens, num_value_heads),
+        scale=key_dim**-0.5,
+        initial_state=starting,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        cu_seqlens=bounds.to(mixed.device, non_blocking=True),
+        cu_seqlens_cpu=bounds,
+        use_gate_in_kernel=True,
+        A_log=a_log,
+        dt_bias=dt_bias,
+    )
+    final = final.to(state.dtype)
+    state[slots] = final
+    state[save_slots] = final  # the slots again, or the snapshots the prefix cache keeps
+    return out[0].to(mixed.dtype)

@@ -27,7 +27,12 @@ from kestrel.layers.gated_delta import (
     l2_normalize,
     recurrent_gated_delta,
 )
-from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_varlen
+from kestrel.layers.gated_delta_kernels import (
+    causal_conv_varlen,
+    gated_delta_chunked,
+    gated_delta_varlen,
+    takes_chunked,
+)
 from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSlice, copy_into
 from kestrel.layers.moe import SparseMoe
 from kestrel.layers.norm import OffsetRMSNorm, RMSNorm
@@ -203,19 +208,61 @@ class GatedDeltaNet(nn.Module):
             meta.read_slots,
             meta.save_slots,
         )
-        return gated_delta_varlen(
-            convolved,
-            a,
-            b,
+        first_prefill_row = meta.query_start_loc[meta.num_decodes]
+        if not takes_chunked(convolved, convolved.shape[0] - first_prefill_row):
+            return self._recurrence(convolved, a, b, state, meta, slice(0, len(meta.slot_ids)))
+        # Decode rows one token at a time, prefill rows in chunks of tokens (tensor cores).
+        out = torch.empty(
+            (convolved.shape[0], self.linear.num_value_heads, self.linear.value_head_dim),
+            dtype=convolved.dtype,
+            device=convolved.device,
+        )
+        decodes = slice(0, meta.num_decodes)
+        if meta.num_decodes:
+            out[:first_prefill_row] = self._recurrence(convolved, a, b, state, meta, decodes)
+        prefills = slice(meta.num_decodes, len(meta.slot_ids))
+        rows = slice(first_prefill_row, None)
+        out[rows] = gated_delta_chunked(
+            convolved[rows],
+            a[rows],
+            b[rows],
             self.A_log,
             self.dt_bias,
             state.recurrent,
-            meta.query_start,
-            meta.slots,
-            meta.has_state_tensor,
+            tuple(start - first_prefill_row for start in meta.query_start_loc[prefills.start :]),
+            meta.slots[prefills],
+            meta.has_state_tensor[prefills],
             self.linear.num_key_heads,
-            meta.read_slots,
-            meta.save_slots,
+            meta.read_slots[prefills],
+            meta.save_slots[prefills],
+        )
+        return out
+
+    def _recurrence(
+        self,
+        convolved: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        state: RecurrentLayerState,
+        meta: RecurrentMetadata,
+        sequences: slice,
+    ) -> torch.Tensor:
+        """The token-by-token kernel over the sequences `sequences` (from the first: their
+        rows start at row 0)."""
+        end = meta.query_start_loc[sequences.stop] if sequences.stop < len(meta.slot_ids) else convolved.shape[0]
+        return gated_delta_varlen(
+            convolved[:end],
+            a[:end],
+            b[:end],
+            self.A_log,
+            self.dt_bias,
+            state.recurrent,
+            meta.query_start[: sequences.stop + 1],
+            meta.slots[sequences],
+            meta.has_state_tensor[sequences],
+            self.linear.num_key_heads,
+            meta.read_slots[sequences],
+            meta.save_slots[sequences],
         )
 
     def mix_with_torch(

@@ -140,10 +140,11 @@ def test_latent_key_normalises_the_latent_and_rotates_the_rope_part(dtype):
     close(got, expected.to(DEVICE))
 
 
+@pytest.mark.parametrize("heads", [3, 20])  # one program a token; two, the second part full
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_rms_norm_reads_its_gate_from_a_wider_projection(dtype):
+def test_gated_rms_norm_reads_its_gate_from_a_wider_projection(dtype, heads):
     torch.manual_seed(8)
-    tokens, heads, dim = 4, 3, 16
+    tokens, dim = 4, 16
     projection = torch.randn(tokens, 2 * heads * dim + 6, dtype=dtype, device=DEVICE)
     gate = projection[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
     x = torch.randn(tokens, heads, dim, dtype=dtype, device=DEVICE)
@@ -152,10 +153,11 @@ def test_gated_rms_norm_reads_its_gate_from_a_wider_projection(dtype):
     close(got, ops.gated_rms_norm(x.cpu(), gate.cpu(), weight.cpu(), 1e-6).to(DEVICE))
 
 
+@pytest.mark.parametrize("heads", [4, 20])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sigmoid_gate_with_each_heads_gate_beside_its_query(dtype):
+def test_sigmoid_gate_with_each_heads_gate_beside_its_query(dtype, heads):
     torch.manual_seed(9)
-    tokens, heads, dim = 2, 4, 16
+    tokens, dim = 2, 16
     gate = torch.randn(tokens, heads, 2 * dim, dtype=dtype, device=DEVICE).chunk(2, dim=-1)[1]
     x = torch.randn(tokens, heads, dim, dtype=dtype, device=DEVICE)
     close(fused.sigmoid_gate(x, gate), ops.sigmoid_gate(x.cpu(), gate.cpu()).to(DEVICE))

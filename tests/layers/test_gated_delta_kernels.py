@@ -215,3 +215,35 @@ def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family
     used = [0, 1, 2, 3]
     torch.testing.assert_close(state.conv[used], expected_state.conv[used], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.recurrent[used], expected_state.recurrent[used], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention's chunked kernels run on CUDA only")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_chunked_prefill_kernels_match_the_token_by_token_kernel(state_dtype):
+    """gated_delta_chunked (prefills, tensor-core chunks) against gated_delta_varlen on the
+    same step of bf16 rows: sequences of 70 to 700 tokens (partial last chunks), some with
+    prior state, one reading a snapshot and one saving into another."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    from kestrel.layers.gated_delta_kernels import gated_delta_chunked
+
+    lengths = [300, 70, 700, 129]
+    key_heads, value_heads, key_dim, value_dim, num_slots = 2, 4, 128, 128, 8
+    generator = torch.Generator().manual_seed(11)
+    tokens = sum(lengths)
+    width = 2 * key_heads * key_dim + value_heads * value_dim
+    mixed = torch.randn(tokens, width, generator=generator).to(DEVICE, torch.bfloat16)
+    gates = torch.randn(tokens, 2 * value_heads, generator=generator).to(DEVICE, torch.bfloat16)
+    a, b = gates[:, :value_heads], gates[:, value_heads:]  # views of one projection
+    a_log = torch.rand(value_heads, generator=generator).log().to(DEVICE)
+    dt_bias = torch.randn(value_heads, generator=generator).to(DEVICE)
+    state = (0.1 * torch.randn(num_slots, value_heads, key_dim, value_dim, generator=generator)).to(DEVICE, state_dtype)
+    query_start, slots, reads, saves, has_state = (t.to(DEVICE) for t in _step(lengths, num_slots, 3, True))
+
+    expected_state = state.clone()
+    expected = gated_delta_varlen(
+        mixed, a, b, a_log, dt_bias, expected_state, query_start, slots, has_state, key_heads, reads, saves
+    )
+    starts = tuple(query_start.tolist())
+    got = gated_delta_chunked(mixed, a, b, a_log, dt_bias, state, starts, slots, has_state, key_heads, reads, saves)
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(state.float(), expected_state.float(), atol=3e-2, rtol=3e-2)
