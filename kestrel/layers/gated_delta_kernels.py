@@ -11,9 +11,13 @@ outputs, so nothing between the convolution and the recurrence runs in torch.
 Both kernels find each sequence's rows through `query_start` on the device and read nothing
 back to the host, so a decode step can be captured in a CUDA graph.
 
-flash-linear-attention (fla-core) carries chunked kernels for the same rule, but they
-autotune at call time and cannot run under Triton's interpreter, where CI checks every
-kernel against the torch reference.
+A long prefill through the token-by-token recurrence is serial work: about 5 ms a layer for
+8,000 prompt tokens on an H100. flash-linear-attention (fla-core, the optional extra
+`linear-attention`) carries chunked kernels for the same rule, which turn each 64-token chunk
+into tensor-core matmuls; where it is installed, a CUDA step's half-precision prefill rows take
+them (`gated_delta_chunked`) and its decode rows keep the recurrence. They cannot run under
+Triton's interpreter, so the recurrence stays the kernel CI checks against the torch reference,
+and the chunked path is checked against the recurrence on a GPU.
 """
 
 from __future__ import annotations
