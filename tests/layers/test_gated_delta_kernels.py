@@ -180,14 +180,29 @@ def test_a_bfloat16_state_is_read_widened_and_saved_rounded():
     torch.testing.assert_close(device_state.cpu().float(), expected_state, atol=1e-2, rtol=8e-3)
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
-def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family):
+@pytest.mark.parametrize("family, chunked_prefills", [("qwen3-next", False), ("qwen3.5", False), ("qwen3-next", True)])
+def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family, chunked_prefills, monkeypatch):
     """One loaded DeltaNet layer, a step of two decodes (one fresh) and two prefills (one
-    continuing its state): both paths give the same output and leave the same state."""
+    continuing its state): both paths give the same output and leave the same state. With
+    `chunked_prefills` the kernel path splits the step as it does where the chunked kernels
+    run (a GPU with flash-linear-attention): they are stood in for by the recurrence over the
+    rows, bounds and slots the split hands them, so what is checked is the split."""
     from kestrel import LLM
     from kestrel.core.batch import BatchLayout, SequenceChunk
     from kestrel.core.recurrent_state import RECURRENT_GROUP
+    from kestrel.models import hybrid
     from kestrel.models.hybrid import GatedDeltaNet
+
+    handed: list[tuple[int, tuple[int, ...]]] = []
+
+    def recurrence_for_chunks(mixed, a, b, a_log, dt_bias, state, query_start_loc, *slot_args):
+        handed.append((mixed.shape[0], tuple(int(start) for start in query_start_loc)))
+        query_start = torch.tensor(query_start_loc, dtype=torch.int32, device=mixed.device)
+        return gated_delta_varlen(mixed, a, b, a_log, dt_bias, state, query_start, *slot_args)
+
+    if chunked_prefills:
+        monkeypatch.setattr(hybrid, "takes_chunked", lambda mixed, rows: True)
+        monkeypatch.setattr(hybrid, "gated_delta_chunked", recurrence_for_chunks)
 
     # Built on the CPU in float32 (the layer then moves to DEVICE): on a GPU the engine would
     # default to bfloat16 and size its pools from the whole device.
@@ -215,6 +230,7 @@ def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family
     used = [0, 1, 2, 3]
     torch.testing.assert_close(state.conv[used], expected_state.conv[used], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.recurrent[used], expected_state.recurrent[used], atol=1e-4, rtol=1e-4)
+    assert handed == ([(11, (0, 7, 11))] if chunked_prefills else [])  # the prefills' rows, from 0
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention's chunked kernels run on CUDA only")
