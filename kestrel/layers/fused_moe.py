@@ -7,7 +7,7 @@ projection (scaled by the routing weight). All shapes depend only on the token c
 on the routing, so nothing is read back to the host and a step can be captured in a graph.
 
 Routing is one kernel (`route`: softmax, top-k, renormalisation and any always-on shared
-expert per token), one warp per token. For one row it is folded into the router's matvec
+expert per token), a program per token. For one row it is folded into the router's matvec
 (`gemv_route`): the last of its programs to finish routes. The grouping is three small
 kernels (count each expert's rows; lay out each expert's run; place each row), each spread
 over many programs, not a sort: a decode step runs it in every layer, where a dozen torch
@@ -228,17 +228,9 @@ def route(
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         SLOTS_POW2=triton.next_power_of_2(width),
         RENORMALIZE=renormalize,
-        num_warps=route_warps(num_experts),
         **dependent_launch_args(logits.device),
     )
     return weights, experts
-
-
-def route_warps(num_experts: int) -> int:
-    """One warp for a token's routing up to 1,024 experts: its picks are serial reductions,
-    and within a warp each is a few register shuffles, where four warps meet in shared memory
-    for every one."""
-    return 1 if num_experts <= 1024 else 4
 
 
 @triton.jit
