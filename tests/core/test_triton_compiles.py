@@ -194,6 +194,12 @@ CASES = {
         MOE_ROUTE,
         dict(TOP_K=6, NUM_SHARED=2, GATED=False, EXPERTS_POW2=64, SLOTS_POW2=8, RENORMALIZE=False, DEPENDENT=True),
     ),
+    "moe_router_matvec_routes": (  # Qwen3-Next at one row: 512 routed rows and the shared gate's
+        fused_moe._gemv_route_kernel,
+        BF16_ROW | MOE_ROUTE | {"arrivals_ptr": "*i32"},
+        dict(HAS_BIAS=False, TOP_K=10, NUM_SHARED=1, GATED=True, EXPERTS_POW2=512, SLOTS_POW2=16)
+        | dict(RENORMALIZE=True, DEPENDENT=True, BLOCK_N=4, BLOCK_K=1024),
+    ),
     "moe_expert_gate_up": (  # a decode token's routed rows, one matvec each
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
@@ -246,12 +252,12 @@ CASES = {
     "gated_rms_norm": (
         fused._gated_rms_norm_kernel,
         {"x_ptr": "*bf16", "gate_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
-        dict(BLOCK=128, DEPENDENT=True),
+        dict(BLOCK=128, HEADS=16, DEPENDENT=True),
     ),
     "sigmoid_gate": (
         fused._sigmoid_gate_kernel,
         {"x_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16"},
-        dict(BLOCK=256, DEPENDENT=True),
+        dict(BLOCK=256, HEADS=16, DEPENDENT=True),
     ),
     "moe_count_rows": (fused_moe.count_rows_kernel, MOE_GROUPING, dict(BLOCK=256, DEPENDENT=True)),
     "moe_expert_runs": (  # Qwen3-Next: 512 routed experts and the shared one stacked after them
@@ -321,3 +327,12 @@ def test_float8_decode_reads_shared_memory_in_vectors(compiled_cases):
 
 if __name__ == "__main__":
     print(json.dumps({name: compile_for_hopper(name) for name in CASES}))
+
+
+def test_the_router_matvec_hands_its_logits_to_the_last_program_through_l2(compiled_cases):
+    """The routing program reads logits other programs wrote: each program's threads meet at a
+    barrier before one acquire-release atomic at GPU scope, and the logits are read past L1."""
+    ptx = compiled_cases["moe_router_matvec_routes"]["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx
+    assert "bar.sync" in ptx
+    assert "ld.global.cg" in ptx
