@@ -249,7 +249,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """The token-by-token kernel over the sequences `sequences` (from the first: their
         rows start at row 0)."""
-        end = meta.query_start_loc[sequences.stop] if sequences.stop < len(meta.slot_ids) else convolved.shape[0]
+        end = meta.query_start_loc[sequences.stop]
         return gated_delta_varlen(
             convolved[:end],
             a[:end],
