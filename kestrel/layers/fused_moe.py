@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
-from kestrel.layers.gemv import MATVEC_CONFIGS, row_dots
+from kestrel.layers.gemv import MATVEC_CONFIGS, launch_rows, row_dots
 
 # Per-row float32 scales of w13 and w2 where the experts are float8, else None.
 ExpertScales = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -342,13 +342,8 @@ def gemv_route(
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         SLOTS_POW2=triton.next_power_of_2(width),
         RENORMALIZE=renormalize,
-        **dependent_launch_args(x.device),
     )
-    if config is None:
-        _tuned_gemv_route_kernel[lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]),)](*args, **constants)
-    else:
-        grid = (triton.cdiv(rows, config.kwargs["BLOCK_N"]),)
-        _gemv_route_kernel[grid](*args, **constants, **config.all_kwargs())
+    launch_rows(_gemv_route_kernel, _tuned_gemv_route_kernel, rows, config, args, **constants)
     return weights, experts
 
 

@@ -192,7 +192,8 @@ def gemv(
     x = x.contiguous()
     # Without a bias or a scale the kernel never reads their pointers; `out` stands in.
     args = (x, weight, out if bias is None else bias, out, out if scale is None else scale, n, k, weight.stride(0))
-    _launch(_gemv_kernel, _tuned_gemv_kernel, n, config, args, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None)
+    constants = dict(HAS_BIAS=bias is not None, HAS_SCALE=scale is not None)
+    launch_rows(_gemv_kernel, _tuned_gemv_kernel, n, config, args, **constants)
     return out
 
 
@@ -205,7 +206,7 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: triton.Conf
     width = rows // 2
     out = torch.empty((1, width), dtype=x.dtype, device=x.device)
     args = (x.contiguous(), weight, out, width, k, weight.stride(0))
-    _launch(_gemv_silu_and_mul_kernel, _tuned_silu_and_mul_kernel, width, config, args)
+    launch_rows(_gemv_silu_and_mul_kernel, _tuned_silu_and_mul_kernel, width, config, args)
     return out
 
 
@@ -226,11 +227,11 @@ def gemv_rotary(
     pairs = rows // 2
     args = (x.contiguous(), weight, out if bias is None else bias, out, cos, sin, pairs, k, weight.stride(0))
     constants = dict(ROTATED_ROWS=rotation.heads * head_dim, HALF=head_dim // 2, HAS_BIAS=bias is not None)
-    _launch(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
+    launch_rows(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
     return out
 
 
-def _launch(kernel, tuned_kernel, units: int, config: triton.Config | None, args: tuple, **constants) -> None:
+def launch_rows(kernel, tuned_kernel, units: int, config: triton.Config | None, args: tuple, **constants) -> None:
     """`units` outputs (rows, or row pairs), BLOCK_N per program: the autotuned kernel, or the
     plain one with `config`. Launched as dependent where the GPU allows (dependent_launch)."""
     constants.update(dependent_launch_args(args[0].device))
