@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--dummy-config", default="llama-3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantization", default=None)
     parser.add_argument("--decode-rows", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=4)
@@ -46,6 +47,7 @@ def main() -> None:
         dtype="bfloat16" if args.device == "cuda" else "float32",
         device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         max_model_len=4096,
         max_num_seqs=256,
     )

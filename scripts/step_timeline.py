@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantization", default=None)
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -103,6 +104,7 @@ def main() -> None:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
