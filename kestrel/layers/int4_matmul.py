@@ -46,6 +46,18 @@ def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr, ALONG_ROWS: tl.conste
 
 
 @triton.jit
+def _one_plus_sixteenth(words, NIBBLE: tl.constexpr):
+    """1 + q / 16 as float32 for code q at nibble NIBBLE of each int32 word: q moved to
+    mantissa bits 19-22 under the exponent of 1.0 (a shift and one masked or)."""
+    SHIFT: tl.constexpr = 19 - 4 * NIBBLE
+    if SHIFT >= 0:
+        bits = words << SHIFT
+    else:
+        bits = words >> -SHIFT  # arithmetic for the top nibble: the mask drops the sign's copies
+    return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def int4_gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -66,7 +78,12 @@ def int4_gemv_kernel(
     """out[n] = x . w[n] for BLOCK_N rows n. Every tile stays [rows, words]: nibble j of each
     word meets x at column 8 word + j, eight times over (a [rows, words, 8] tile would spread
     one word's nibbles over threads that each load it); each group's scale and zero then enter
-    once per word: sum(((q - 8) s + z) x) = s (q . x) + (z - 8 s) sum(x)."""
+    once per word: sum(((q - 8) s + z) x) = s (q . x) + (z - 8 s) sum(x).
+
+    A code widens without an int-to-float conversion (a quarter-rate instruction, eight per
+    word, which held the kernel below the bandwidth): moved into the top of a float's mantissa
+    under 1.0's exponent it reads as 1 + q / 16, so the dots sum (1 + q / 16) x and
+    q . x = 16 (that sum - sum(x))."""
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
@@ -84,14 +101,14 @@ def int4_gemv_kernel(
         x_sums = tl.zeros((WORDS,), dtype=tl.float32)
         for nibble in tl.static_range(8):
             x = tl.load(x_ptr + block * 8 + nibble, mask=in_block, other=0.0).to(tl.float32)
-            codes = ((packed >> (4 * nibble)) & 0xF).to(tl.float32)
-            code_dots += codes * x[None, :]
+            code_dots += _one_plus_sixteenth(packed, nibble) * x[None, :]
             x_sums += x
         groups = row_groups + (block * 8 // GROUP)[None, :]
         mask = in_rows[:, None] & in_block[None, :]
         scales = tl.load(scales_ptr + groups, mask=mask, other=0.0).to(tl.float32)
         zeros = tl.load(zeros_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(scales * code_dots + (zeros - 8.0 * scales) * x_sums[None, :], axis=1)
+        # s (q . x) + (z - 8 s) sum(x), with q . x = 16 (code_dots - sum(x)).
+        acc += tl.sum(16.0 * scales * code_dots + (zeros - 24.0 * scales) * x_sums[None, :], axis=1)
         following = block + WORDS
         packed = tl.load(row_codes + following[None, :], mask=in_rows[:, None] & (following < K // 8)[None, :], other=0)
     if HAS_BIAS:
