@@ -389,13 +389,16 @@ def grouped_matmul_kernel(
     (the up columns' n further on) before the activation and any weight. WEIGHT_INPUT
     multiplies the products by weights[row] as if A's row had been scaled (Llama 4)."""
     wait_for_inputs(DEPENDENT)
-    block = tl.program_id(0)
+    # A row block's column blocks run side by side, so its gathered rows come from memory
+    # once and from L2 after; an expert's weights stay in L2 across its few row blocks.
+    column_blocks = tl.cdiv(n, BLOCK_N)
+    block = tl.program_id(0) // column_blocks
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:  # past the last expert's run: the grid covers the most blocks routing can need
         return
     rows = tl.load(row_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_rows  # padding rows hold num_rows
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (tl.program_id(0) % column_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (rows // A_ROW_DIVISOR)[:, None] * stride_a
     b_cols = b_ptr + expert.to(tl.int64) * stride_b_expert + offs_n[None, :] * stride_b_n
@@ -602,7 +605,7 @@ def _grouped_matmul(
     with `weight_input` the products before bias and activation."""
     n, k = weight.shape[1] // (2 if silu_and_mul else 1), weight.shape[2]
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
-    grid = (block_experts.numel(), triton.cdiv(n, launch.block_n))
+    grid = (block_experts.numel() * triton.cdiv(n, launch.block_n),)
     grouped_matmul_kernel[grid](
         a,
         weight,
