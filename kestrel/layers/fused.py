@@ -423,6 +423,164 @@ def latent_key(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
     return out
 
 
+# Latent attention's per-head projections at a decode step's few rows: the kernels below
+# read each head's weight once for all the step's rows (a batched matmul per step, and the
+# copies, rotary pass and concatenation around it, took several launches a layer).
+# Latent columns per program absorbing, value dims per program projecting up: tiles of 4,096
+# weights, so that DeepSeek-V2-Lite's 16 heads still make a few hundred programs.
+ABSORB_BLOCK, VALUES_BLOCK = 32, 8
+
+
+# The row count changes from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("tokens",))
+def _absorb_query_kernel(
+    query_ptr,
+    key_up_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    tokens,
+    stride_q_token,
+    stride_q_head,
+    stride_w_head,
+    stride_w_row,
+    stride_cos,
+    num_heads,
+    nope,
+    latent,
+    HALF: tl.constexpr,
+    BLOCK_NOPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
+    """Program (head, block): for every row, the head's nope query times its key
+    up-projection's columns of this latent block, in float32, rounded once; the program past
+    the last block rotates the head's rope part (as `rotate_half_pair` does) instead."""
+    head, block = tl.program_id(0), tl.program_id(1)
+    width = latent + 2 * HALF
+    out_head = out_ptr + head * width
+    if block * BLOCK_L >= latent:
+        wait_for_inputs(DEPENDENT)
+        pair = tl.arange(0, BLOCK_HALF)
+        in_half = pair < HALF
+        for token in range(tokens):
+            rope = query_ptr + token * stride_q_token + head * stride_q_head + nope
+            first = tl.load(rope + pair, mask=in_half, other=0.0)
+            second = tl.load(rope + HALF + pair, mask=in_half, other=0.0)
+            cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
+            first, second = rotate_half_pair(first, second, cos_row, sin_row, pair, in_half, HALF)
+            out_row = out_head + token * num_heads * width + latent
+            tl.store(out_row + pair, first, mask=in_half)
+            tl.store(out_row + HALF + pair, second, mask=in_half)
+    else:
+        dims = tl.arange(0, BLOCK_NOPE)
+        cols = block * BLOCK_L + tl.arange(0, BLOCK_L)
+        in_cols = cols < latent
+        w_rows = key_up_ptr + head * stride_w_head + dims[:, None] * stride_w_row
+        weights = tl.load(w_rows + cols[None, :], mask=(dims < nope)[:, None] & in_cols[None, :], other=0.0)
+        wait_for_inputs(DEPENDENT)
+        for token in range(tokens):
+            q_row = query_ptr + token * stride_q_token + head * stride_q_head
+            q = tl.load(q_row + dims, mask=dims < nope, other=0.0).to(tl.float32)
+            absorbed = tl.sum(weights.to(tl.float32) * q[:, None], axis=0)
+            out_row = out_head + token * num_heads * width
+            tl.store(out_row + cols, absorbed.to(out_ptr.dtype.element_ty), mask=in_cols)
+
+
+def absorb_query(query: torch.Tensor, key_up: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`ops.absorb_query` in one launch (for a few rows: each program loops over them)."""
+    tokens, heads, _ = query.shape
+    nope, latent = key_up.shape[1:]
+    rope = cos.shape[-1]
+    out = torch.empty((tokens, heads, latent + rope), dtype=query.dtype, device=query.device)
+    if tokens:
+        _absorb_query_kernel[(heads, triton.cdiv(latent, ABSORB_BLOCK) + 1)](
+            query,
+            key_up,
+            cos,
+            sin,
+            out,
+            tokens,
+            query.stride(0),
+            query.stride(1),
+            key_up.stride(0),
+            key_up.stride(1),
+            cos.stride(0),
+            heads,
+            nope,
+            latent,
+            HALF=rope // 2,
+            BLOCK_NOPE=triton.next_power_of_2(nope),
+            BLOCK_L=ABSORB_BLOCK,
+            BLOCK_HALF=triton.next_power_of_2(rope // 2),
+            **dependent_launch_args(query.device),
+        )
+    return out
+
+
+# The row count changes from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("tokens",))
+def _latent_values_kernel(
+    attended_ptr,
+    value_up_ptr,
+    out_ptr,
+    tokens,
+    stride_a_token,
+    stride_a_head,
+    stride_w_head,
+    stride_w_row,
+    num_heads,
+    value_dim,
+    latent,
+    BLOCK_V: tl.constexpr,
+    BLOCK_LATENT: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
+    """Program (head, block): for every row, BLOCK_V of the head's value dims, its attended
+    latent times those rows of the value up-projection, in float32, rounded once; written
+    where the output projection reads them ([rows, heads x value_dim])."""
+    head = tl.program_id(0)
+    dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, BLOCK_LATENT)
+    in_dims, in_cols = dims < value_dim, cols < latent
+    w_rows = value_up_ptr + head * stride_w_head + dims[:, None] * stride_w_row
+    weights = tl.load(w_rows + cols[None, :], mask=in_dims[:, None] & in_cols[None, :], other=0.0)
+    wait_for_inputs(DEPENDENT)
+    for token in range(tokens):
+        a_row = attended_ptr + token * stride_a_token + head * stride_a_head
+        attended = tl.load(a_row + cols, mask=in_cols, other=0.0).to(tl.float32)
+        values = tl.sum(weights.to(tl.float32) * attended[None, :], axis=1)
+        out_row = out_ptr + (token * num_heads + head) * value_dim
+        tl.store(out_row + dims, values.to(out_ptr.dtype.element_ty), mask=in_dims)
+
+
+def latent_values(attended: torch.Tensor, value_up: torch.Tensor) -> torch.Tensor:
+    """`ops.latent_values` in one launch (for a few rows: each program loops over them)."""
+    tokens, heads, latent = attended.shape
+    value_dim = value_up.shape[1]
+    out = torch.empty((tokens, heads * value_dim), dtype=attended.dtype, device=attended.device)
+    if tokens:
+        block = min(VALUES_BLOCK, triton.next_power_of_2(value_dim))
+        _latent_values_kernel[(heads, triton.cdiv(value_dim, block))](
+            attended,
+            value_up,
+            out,
+            tokens,
+            attended.stride(0),
+            attended.stride(1),
+            value_up.stride(0),
+            value_up.stride(1),
+            heads,
+            value_dim,
+            latent,
+            BLOCK_V=block,
+            BLOCK_LATENT=triton.next_power_of_2(latent),
+            **dependent_launch_args(attended.device),
+        )
+    return out
+
+
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr,

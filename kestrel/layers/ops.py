@@ -25,6 +25,7 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 _ONEDNN_MIN_ROWS = 16
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take layers/gemv.py
+_LATENT_MATVEC_MAX_ROWS = 16  # latent attention's per-head projections as matvecs up to here
 
 
 def linear(
@@ -165,6 +166,34 @@ def latent_key(
     latent, key_rope = kv.split((kv.shape[1] - rope, rope), dim=-1)
     rotated = rotary(key_rope.reshape(tokens, 1, rope), cos, sin).view(tokens, rope)
     return torch.cat((rms_norm(latent.contiguous(), weight, eps), rotated), dim=-1).view(tokens, 1, -1)
+
+
+def absorb_query(query: torch.Tensor, key_up: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Latent attention's query [tokens, heads, nope + rope] as its dots take it: each head's
+    nope part times the head's key up-projection (key_up [heads, nope, latent]), then the
+    rope part rotated; a new [tokens, heads, latent + rope]. One kernel on CUDA for a decode
+    step's few rows."""
+    nope = key_up.shape[1]
+    if runs_kernels(query) and query.shape[0] <= _LATENT_MATVEC_MAX_ROWS and query.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.absorb_query(query, key_up, cos, sin)
+    # [heads, tokens, nope] @ [heads, nope, latent], back to [tokens, heads, latent].
+    absorbed = torch.bmm(query[..., :nope].transpose(0, 1), key_up).transpose(0, 1)
+    return torch.cat((absorbed, rotary(query[..., nope:], cos, sin)), dim=-1)
+
+
+def latent_values(attended: torch.Tensor, value_up: torch.Tensor) -> torch.Tensor:
+    """Each head's attended latent [tokens, heads, latent] up to its values through value_up
+    [heads, value, latent]: [tokens, heads x value], as the output projection reads it. One
+    kernel on CUDA for a decode step's few rows."""
+    tokens, heads, _ = attended.shape
+    if runs_kernels(attended) and tokens <= _LATENT_MATVEC_MAX_ROWS and attended.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.latent_values(attended, value_up)
+    values = torch.bmm(attended.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)
+    return values.reshape(tokens, heads * value_up.shape[1])
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

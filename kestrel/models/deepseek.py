@@ -230,19 +230,9 @@ class MlaAttention(nn.Module):
         norm = self.kv_a_layernorm
         key = ops.latent_key(self.kv_a_proj_with_mqa(hidden), norm.effective_weight, norm.eps, cos, sin)
         key_up, value_up = self._up_projections()
-        # Each head's nope query in the latent's space: [heads, tokens, nope] @ [heads, nope, latent].
-        absorbed = torch.bmm(query[..., : mla.nope_dim].transpose(0, 1), key_up).transpose(0, 1)
-        query_rope = ops.rotary(query[..., mla.nope_dim :], cos, sin)
-        attended = context.attend(
-            self.layer_index,
-            torch.cat((absorbed, query_rope), dim=-1),
-            key,
-            key[..., : mla.kv_lora_rank],
-            self.layer_spec,
-        )
-        # Each head's attended latent up to its values: [heads, tokens, latent] @ [heads, latent, value].
-        values = torch.bmm(attended.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(values.reshape(tokens, self.num_heads * mla.value_dim))
+        absorbed = ops.absorb_query(query, key_up, cos, sin)
+        attended = context.attend(self.layer_index, absorbed, key, key[..., : mla.kv_lora_rank], self.layer_spec)
+        return self.o_proj(ops.latent_values(attended, value_up))
 
 
 class DeepseekDecoderLayer(ResidualBlock):

@@ -249,6 +249,16 @@ CASES = {
         | {"eps": "fp32"},
         dict(HALF=32, BLOCK_LATENT=512, BLOCK_HALF=32, DEPENDENT=True),
     ),
+    "absorb_query": (  # DeepSeek-V2-Lite: 128 nope dims into a 512-wide latent, 64 rope columns
+        fused._absorb_query_kernel,
+        {"query_ptr": "*bf16", "key_up_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"},
+        dict(HALF=32, BLOCK_NOPE=128, BLOCK_L=fused.ABSORB_BLOCK, BLOCK_HALF=32, DEPENDENT=True),
+    ),
+    "latent_values": (  # DeepSeek-V2-Lite: 128 value dims a head from its 512-wide latent
+        fused._latent_values_kernel,
+        {"attended_ptr": "*bf16", "value_up_ptr": "*bf16", "out_ptr": "*bf16"},
+        dict(BLOCK_V=fused.VALUES_BLOCK, BLOCK_LATENT=512, DEPENDENT=True),
+    ),
     "gated_rms_norm": (
         fused._gated_rms_norm_kernel,
         {"x_ptr": "*bf16", "gate_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},

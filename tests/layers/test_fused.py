@@ -171,3 +171,28 @@ def test_q_and_k_of_one_projection_take_the_fused_norm_and_rotary(tokens):
     query, key, _ = qkv.split([8 * 16, 2 * 16, 2 * 16], dim=-1)
     assert ops._key_heads_follow(query.view(tokens, 8, 16), key.view(tokens, 2, 16))
     assert not ops._key_heads_follow(query.view(tokens, 8, 16), key.clone().view(tokens, 2, 16))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_attention_projections_match_the_batched_matmuls(dtype, tokens):
+    """DeepSeek's absorbed query (each head's nope part times its key up-projection, the rope
+    part rotated) and its values (each head's attended latent up through its value rows),
+    at widths no program's block divides, read from views of one up-projection as the model
+    reads them."""
+    torch.manual_seed(tokens)
+    heads, nope, rope, latent, value = 3, 24, 8, 72, 20
+    up = torch.randn(heads, nope + value, latent, dtype=dtype, device=DEVICE) * 0.2
+    key_up, value_up = up[:, :nope], up[:, nope:]
+    projection = torch.randn(tokens, heads * (nope + rope), dtype=dtype, device=DEVICE)
+    query = projection.view(tokens, heads, nope + rope)
+    cos, sin = cos_sin(tokens, rope, dtype)
+    got = fused.absorb_query(query, key_up, cos, sin)
+    expected = ops.absorb_query(query.cpu().clone(), key_up.cpu(), cos.cpu(), sin.cpu())
+    assert got.shape == (tokens, heads, latent + rope)
+    close(got, expected.to(DEVICE))
+    attended = torch.randn(tokens, heads, latent + rope, dtype=dtype, device=DEVICE)[..., :latent]
+    got = fused.latent_values(attended, value_up)
+    expected = ops.latent_values(attended.cpu(), value_up.cpu())
+    assert got.shape == (tokens, heads * value) and got.is_contiguous()
+    close(got, expected.to(DEVICE))
