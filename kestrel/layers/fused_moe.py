@@ -84,12 +84,15 @@ class MoeLaunch:
 # (bf16, the Qwen3-30B-A3B and Qwen3-Next expert shapes at 1, 16, 128 and 1024 tokens; each
 # entry is the sweep's best or within 1% of it for both shapes it covers). Short row blocks
 # while each expert gets a few rows (little of a block is padding), taller ones as runs grow
-# (each weight tile is read once per 32 or 64 rows rather than per 16).
+# (each weight tile is read once per 32, 64 or 128 rows rather than per 16). The last entry,
+# prefill-sized steps, was the sweep's best for both shapes at 8,192 tokens on an H100 (the
+# H200's multiprocessors): 20% and 6% faster than the 64-row blocks.
 LAUNCHES: tuple[tuple[float, MoeLaunch], ...] = (
     (1.5, MoeLaunch(block_m=16, block_n=64, block_k=128)),  # decode at small batches
     (10, MoeLaunch(block_m=16, block_n=128, block_k=128)),
     (32, MoeLaunch(block_m=32, block_n=128, block_k=128)),
-    (float("inf"), MoeLaunch(block_m=64, block_n=128, block_k=64)),
+    (128, MoeLaunch(block_m=64, block_n=128, block_k=64)),
+    (float("inf"), MoeLaunch(block_m=128, block_n=128, block_k=64, num_warps=8)),
 )
 
 

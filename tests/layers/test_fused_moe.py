@@ -73,6 +73,7 @@ def test_fused_moe_matches_the_torch_path(tokens, top_k, renormalize):
     expected = moe.grouped(hidden, weights, experts)
     tolerance = dict(atol=2e-3 if DEVICE == "cuda" else 1e-5, rtol=1e-3)
     launches = (None, MoeLaunch(block_m=32, block_n=32, block_k=32), MoeLaunch(64, 128, 64, num_warps=8))
+    launches += (MoeLaunch(128, 128, 64, num_warps=8),)  # the prefill entry of the table
     for launch in launches:
         got = fused_moe(hidden, moe.experts.w13.weight, moe.experts.w2.weight, weights, experts, launch)
         torch.testing.assert_close(got, expected, **tolerance)
@@ -81,7 +82,8 @@ def test_fused_moe_matches_the_torch_path(tokens, top_k, renormalize):
 def test_row_blocks_follow_the_rows_each_expert_gets():
     assert moe_launch(1 * 8, 128).block_m == 16  # a decode token: a row or two per expert
     assert moe_launch(512 * 8, 128).block_m == 32
-    assert moe_launch(8192 * 8, 128).block_m == 64  # a large prefill: hundreds per expert
+    assert moe_launch(1024 * 8, 128).block_m == 64
+    assert moe_launch(8192 * 8, 128).block_m == 128  # a large prefill: hundreds per expert
 
 
 @pytest.mark.parametrize(
