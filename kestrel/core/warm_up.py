@@ -34,8 +34,11 @@ def warm_up(
 
 
 def _prefills(num_tokens: int, num_seqs: int, max_seq_len: int) -> list[int]:
+    """Prompt lengths that add up to `num_tokens` where `num_seqs` sequences hold them."""
     seq_len = max(1, min(max_seq_len, WARM_UP_SEQ_LEN, num_tokens))
-    return [seq_len] * min(num_tokens // seq_len, num_seqs)
+    whole = min(num_tokens // seq_len, num_seqs)
+    rest = num_tokens - whole * seq_len
+    return [seq_len] * whole + ([rest] if rest and whole < num_seqs else [])
 
 
 def _throwaway_step(runner: ModelRunner, lengths: list[int]) -> None:

@@ -230,8 +230,8 @@ def test_start_up_warm_up_runs_the_largest_steps_and_leaves_nothing_behind(check
     llm = LLM(path, **settings)
     monkeypatch.undo()
     # A full prefill budget in prompts of at most max_model_len, a full decode batch, then
-    # one prompt of each smaller size.
-    assert steps == [[64], [1] * 12, [48], [24]]
+    # one prompt of each smaller size and one of an odd size.
+    assert steps == [[64, 32], [1] * 12, [48], [24], [47]]
     assert_pool_balanced(llm)
     assert llm.engine.stats().num_cached_pages == 0  # throwaway prompts never enter the prefix cache
     assert not llm.engine.parts.runner.sampler._generators

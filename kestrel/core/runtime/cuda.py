@@ -65,16 +65,19 @@ class CudaRuntime(DeviceRuntime):
         return "nccl"
 
     def warm_up_smaller_prefills(self, num_tokens: int) -> list[int]:
-        """Halving down to MIN_WARM_UP_PREFILL tokens. Triton compiles a kernel once per launch
-        shape, and some layers choose theirs by a step's size (the fused MoE's launch table,
-        by rows per expert, each entry spanning more than a factor of two), so these steps
-        compile every launch a real step may take before the first request, not during one
-        (a stall of a second or more each)."""
+        """Halving down to MIN_WARM_UP_PREFILL tokens, then one step of an odd size. Triton
+        compiles a kernel once per launch shape, and some layers choose theirs by a step's size
+        (the fused MoE's launch table, by rows per expert, each entry spanning more than a
+        factor of two), so these steps compile every launch a real step may take before the
+        first request, not during one (a stall of a second or more each). The odd size is for
+        kernels that specialise on whether a token count divides by 16 (flash-linear-attention's
+        chunked prefill, where installed): real steps rarely do."""
         sizes, size = [], num_tokens // 2
         while size >= MIN_WARM_UP_PREFILL:
             sizes.append(size)
             size //= 2
-        return sizes
+        odd = num_tokens // 2 - 1
+        return sizes + ([odd] if odd >= MIN_WARM_UP_PREFILL else [])
 
     def to_host_async(self, tensors: Sequence[torch.Tensor]) -> HostTransfer:
         return _CudaHostTransfer(tensors)
