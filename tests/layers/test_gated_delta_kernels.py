@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.layers.gated_delta import causal_conv, chunked_gated_delta, l2_normalize
-from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_varlen
+from kestrel.layers.gated_delta_kernels import causal_conv_varlen, chunk_indices, gated_delta_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -231,6 +231,14 @@ def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family
     torch.testing.assert_close(state.conv[used], expected_state.conv[used], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.recurrent[used], expected_state.recurrent[used], atol=1e-4, rtol=1e-4)
     assert handed == ([(11, (0, 7, 11))] if chunked_prefills else [])  # the prefills' rows, from 0
+
+
+def test_the_chunked_kernels_get_each_chunks_sequence_and_place_from_the_host():
+    """Sequences of 64, 1 and 135 tokens: one chunk, one partial chunk, two whole and a
+    partial; an empty sequence (a slot the step does not touch) has none."""
+    got = chunk_indices((0, 64, 65, 65, 200))
+    assert got.tolist() == [[0, 0], [1, 0], [3, 0], [3, 1], [3, 2]]
+    assert got.dtype == torch.long
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention's chunked kernels run on CUDA only")
