@@ -86,7 +86,8 @@ class MoeLaunch:
 # while each expert gets a few rows (little of a block is padding), taller ones as runs grow
 # (each weight tile is read once per 32, 64 or 128 rows rather than per 16). The last entry,
 # prefill-sized steps, was the sweep's best for both shapes at 8,192 tokens on an H100 (the
-# H200's multiprocessors): 20% and 6% faster than the 64-row blocks.
+# H200's multiprocessors): 20% and 6% faster than the 64-row blocks. Its bound lies between
+# the runs measured: 64 rows per expert (64-row blocks best) and 160 (128-row blocks best).
 LAUNCHES: tuple[tuple[float, MoeLaunch], ...] = (
     (1.5, MoeLaunch(block_m=16, block_n=64, block_k=128)),  # decode at small batches
     (10, MoeLaunch(block_m=16, block_n=128, block_k=128)),

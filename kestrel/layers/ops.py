@@ -174,7 +174,8 @@ def absorb_query(query: torch.Tensor, key_up: torch.Tensor, cos: torch.Tensor, s
     rope part rotated; a new [tokens, heads, latent + rope]. One kernel on CUDA for a decode
     step's few rows."""
     nope = key_up.shape[1]
-    if runs_kernels(query) and query.shape[0] <= _LATENT_MATVEC_MAX_ROWS and query.stride(-1) == 1:
+    row_major = query.stride(-1) == 1 and key_up.stride(-1) == 1 and cos.stride(-1) == 1
+    if runs_kernels(query) and query.shape[0] <= _LATENT_MATVEC_MAX_ROWS and row_major:
         from kestrel.layers import fused
 
         return fused.absorb_query(query, key_up, cos, sin)
@@ -188,7 +189,8 @@ def latent_values(attended: torch.Tensor, value_up: torch.Tensor) -> torch.Tenso
     [heads, value, latent]: [tokens, heads x value], as the output projection reads it. One
     kernel on CUDA for a decode step's few rows."""
     tokens, heads, _ = attended.shape
-    if runs_kernels(attended) and tokens <= _LATENT_MATVEC_MAX_ROWS and attended.stride(-1) == 1:
+    row_major = attended.stride(-1) == 1 and value_up.stride(-1) == 1
+    if runs_kernels(attended) and tokens <= _LATENT_MATVEC_MAX_ROWS and row_major:
         from kestrel.layers import fused
 
         return fused.latent_values(attended, value_up)
