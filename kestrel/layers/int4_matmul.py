@@ -77,14 +77,18 @@ def int4_gemv_kernel(
 ):
     """out[n] = x . w[n] for BLOCK_N rows n. Every tile stays [rows, words]: nibble j of each
     word meets x at column 8 word + j, eight times over (a [rows, words, 8] tile would spread
-    one word's nibbles over threads that each load it); each group's scale and zero then enter
-    once per word: sum(((q - 8) s + z) x) = s (q . x) + (z - 8 s) sum(x).
+    one word's nibbles over threads that each load it). The dots are then summed per group of
+    GROUP columns (BLOCK_K holds whole groups), whose scale and zero enter once:
+    sum(((q - 8) s + z) x) = s (q . x) + (z - 8 s) sum(x).
 
     A code widens without an int-to-float conversion (a quarter-rate instruction, eight per
     word, which held the kernel below the bandwidth): moved into the top of a float's mantissa
     under 1.0's exponent it reads as 1 + q / 16, so the dots sum (1 + q / 16) x and
     q . x = 16 (that sum - sum(x))."""
     WORDS: tl.constexpr = BLOCK_K // 8
+    GROUP_WORDS: tl.constexpr = GROUP // 8
+    BLOCK_GROUPS: tl.constexpr = BLOCK_K // GROUP
+    tl.static_assert(BLOCK_K % GROUP == 0, "a block of columns holds whole groups")
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
     words = tl.arange(0, WORDS)
@@ -103,12 +107,14 @@ def int4_gemv_kernel(
             x = tl.load(x_ptr + block * 8 + nibble, mask=in_block, other=0.0).to(tl.float32)
             code_dots += _one_plus_sixteenth(packed, nibble) * x[None, :]
             x_sums += x
-        groups = row_groups + (block * 8 // GROUP)[None, :]
-        mask = in_rows[:, None] & in_block[None, :]
-        scales = tl.load(scales_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        zeros = tl.load(zeros_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        # s (q . x) + (z - 8 s) sum(x), with q . x = 16 (code_dots - sum(x)).
-        acc += tl.sum(16.0 * scales * code_dots + (zeros - 24.0 * scales) * x_sums[None, :], axis=1)
+        group_dots = tl.sum(tl.reshape(code_dots, (BLOCK_N, BLOCK_GROUPS, GROUP_WORDS)), axis=2)
+        group_x_sums = tl.sum(tl.reshape(x_sums, (BLOCK_GROUPS, GROUP_WORDS)), axis=1)
+        groups = start // GROUP_WORDS + tl.arange(0, BLOCK_GROUPS)
+        mask = in_rows[:, None] & (groups < K // GROUP)[None, :]
+        scales = tl.load(scales_ptr + row_groups + groups[None, :], mask=mask, other=0.0).to(tl.float32)
+        zeros = tl.load(zeros_ptr + row_groups + groups[None, :], mask=mask, other=0.0).to(tl.float32)
+        # s (q . x) + (z - 8 s) sum(x), with q . x = 16 (group_dots - sum(x)).
+        acc += tl.sum(16.0 * scales * group_dots + (zeros - 24.0 * scales) * group_x_sums[None, :], axis=1)
         following = block + WORDS
         packed = tl.load(row_codes + following[None, :], mask=in_rows[:, None] & (following < K // 8)[None, :], other=0)
     if HAS_BIAS:
