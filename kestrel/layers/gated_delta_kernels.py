@@ -327,13 +327,12 @@ def takes_chunked(mixed: torch.Tensor, prefill_rows: int) -> bool:
 FLA_CHUNK = 64  # tokens per chunk of flash-linear-attention's gated delta rule
 
 
-def chunk_indices(query_start_loc: tuple[int, ...], chunk: int = FLA_CHUNK) -> torch.Tensor:
-    """Each chunk's (sequence, chunk within it), [chunks, 2] int64 on the host, in the
-    library's layout. Handed to it with the bounds, so it never derives them from the
-    device's copy: its own helper makes them on the host and copies them over blocking, a
-    wait for the device in every layer of a step."""
-    lengths = torch.tensor(query_start_loc, dtype=torch.long).diff()
-    counts = (lengths + chunk - 1) // chunk
+def chunk_indices(bounds: torch.Tensor, chunk: int = FLA_CHUNK) -> torch.Tensor:
+    """Each chunk's (sequence, chunk within it) for the sequences `bounds` (int64, on the
+    host) delimit: [chunks, 2] int64 on the host, in the library's layout. Handed to it with
+    the bounds, so it never derives them from the device's copy: its own helper makes them on
+    the host and copies them over blocking, a wait for the device in every layer of a step."""
+    counts = (bounds.diff() + chunk - 1) // chunk
     sequences = torch.repeat_interleave(torch.arange(len(counts)), counts)
     firsts = torch.cumsum(counts, 0) - counts
     return torch.stack((sequences, torch.arange(len(sequences)) - firsts[sequences]), dim=1)
@@ -367,7 +366,7 @@ def gated_delta_chunked(
     starting = torch.where(has_state[:, None, None, None], state[read_slots].float(), 0.0)
     bounds = torch.tensor(query_start_loc, dtype=torch.long)
     # Both index arrays in one pinned buffer and one copy that does not wait for the device.
-    indices = torch.cat((bounds, chunk_indices(query_start_loc).flatten())).pin_memory()
+    indices = torch.cat((bounds, chunk_indices(bounds).flatten())).pin_memory()
     on_device = indices.to(mixed.device, non_blocking=True)
     out, final = chunk_gated_delta_rule(
         query.reshape(1, tokens, num_key_heads, key_dim),

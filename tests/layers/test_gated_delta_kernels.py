@@ -236,7 +236,7 @@ def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family
 def test_the_chunked_kernels_get_each_chunks_sequence_and_place_from_the_host():
     """Sequences of 64, 1 and 135 tokens: one chunk, one partial chunk, two whole and a
     partial; an empty sequence (a slot the step does not touch) has none."""
-    got = chunk_indices((0, 64, 65, 65, 200))
+    got = chunk_indices(torch.tensor([0, 64, 65, 65, 200]))
     assert got.tolist() == [[0, 0], [1, 0], [3, 0], [3, 1], [3, 2]]
     assert got.dtype == torch.long
 
