@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.core.metadata import PrefillChunks
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 
 # Each sequence's slot ids and start row: rows of one per-step array (or slices of it), so
@@ -327,17 +328,6 @@ def takes_chunked(mixed: torch.Tensor, prefill_rows: int) -> bool:
 FLA_CHUNK = 64  # tokens per chunk of flash-linear-attention's gated delta rule
 
 
-def chunk_indices(bounds: torch.Tensor, chunk: int = FLA_CHUNK) -> torch.Tensor:
-    """Each chunk's (sequence, chunk within it) for the sequences `bounds` (int64, on the
-    host) delimit: [chunks, 2] int64 on the host, in the library's layout. Handed to it with
-    the bounds, so it never derives them from the device's copy: its own helper makes them on
-    the host and copies them over blocking, a wait for the device in every layer of a step."""
-    counts = (bounds.diff() + chunk - 1) // chunk
-    sequences = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    firsts = torch.cumsum(counts, 0) - counts
-    return torch.stack((sequences, torch.arange(len(sequences)) - firsts[sequences]), dim=1)
-
-
 def gated_delta_chunked(
     mixed: torch.Tensor,
     a: torch.Tensor,
@@ -345,7 +335,7 @@ def gated_delta_chunked(
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     state: torch.Tensor,
-    query_start_loc: tuple[int, ...],
+    prefills: PrefillChunks,
     slots: torch.Tensor,
     has_state: torch.Tensor,
     num_key_heads: int,
@@ -355,19 +345,18 @@ def gated_delta_chunked(
     """`gated_delta_varlen` for prefill sequences, in chunks of 64 tokens whose products run
     as matmuls (flash-linear-attention's chunked gated delta rule, the WY form): a sequence's
     tokens cost a few tensor-core launches where the recurrence takes them one by one.
-    `query_start_loc` (on the host, from row 0 of `mixed`) bounds the sequences; the other
-    arguments are `gated_delta_varlen`'s. The gating (softplus decay, sigmoid beta) and the
-    query/key L2 norms run inside its kernels, as in ours."""
+    `prefills` bounds the sequences from row 0 of `mixed`, in chunks of FLA_CHUNK tokens (the
+    step's metadata makes them once for all its layers); the other arguments are
+    `gated_delta_varlen`'s. Handed both, the library never derives them itself: its helper
+    makes them on the host and copies them over blocking, a wait for the device in every layer.
+    The gating (softplus decay, sigmoid beta) and the query/key L2 norms run inside its
+    kernels, as in ours."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     num_value_heads, key_dim, value_dim = state.shape[1:]
     tokens, key_size = mixed.shape[0], num_key_heads * key_dim
     query, key, value = mixed.split((key_size, key_size, num_value_heads * value_dim), dim=-1)
     starting = torch.where(has_state[:, None, None, None], state[read_slots].float(), 0.0)
-    bounds = torch.tensor(query_start_loc, dtype=torch.long)
-    # Both index arrays in one pinned buffer and one copy that does not wait for the device.
-    indices = torch.cat((bounds, chunk_indices(bounds).flatten())).pin_memory()
-    on_device = indices.to(mixed.device, non_blocking=True)
     out, final = chunk_gated_delta_rule(
         query.reshape(1, tokens, num_key_heads, key_dim),
         key.reshape(1, tokens, num_key_heads, key_dim),
@@ -379,9 +368,9 @@ def gated_delta_chunked(
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
         use_beta_sigmoid_in_kernel=True,
-        cu_seqlens=on_device[: len(bounds)],
-        cu_seqlens_cpu=bounds,
-        chunk_indices=on_device[len(bounds) :].view(-1, 2),
+        cu_seqlens=prefills.bounds_on_device,
+        cu_seqlens_cpu=prefills.bounds,
+        chunk_indices=prefills.chunks_on_device,
         chunk_size=FLA_CHUNK,
         use_gate_in_kernel=True,
         A_log=a_log,

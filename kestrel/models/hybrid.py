@@ -28,6 +28,7 @@ from kestrel.layers.gated_delta import (
     recurrent_gated_delta,
 )
 from kestrel.layers.gated_delta_kernels import (
+    FLA_CHUNK,
     causal_conv_varlen,
     gated_delta_chunked,
     gated_delta_varlen,
@@ -229,7 +230,7 @@ class GatedDeltaNet(nn.Module):
             self.A_log,
             self.dt_bias,
             state.recurrent,
-            tuple(start - first_prefill_row for start in meta.query_start_loc[prefills.start :]),
+            meta.prefill_chunks(FLA_CHUNK),
             meta.slots[prefills],
             meta.has_state_tensor[prefills],
             self.linear.num_key_heads,

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kestrel.core.metadata import PrefillChunks, RecurrentMetadata, chunk_indices
 from kestrel.layers.gated_delta import causal_conv, chunked_gated_delta, l2_normalize
-from kestrel.layers.gated_delta_kernels import causal_conv_varlen, chunk_indices, gated_delta_varlen
+from kestrel.layers.gated_delta_kernels import causal_conv_varlen, gated_delta_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -195,9 +196,9 @@ def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family
 
     handed: list[tuple[int, tuple[int, ...]]] = []
 
-    def recurrence_for_chunks(mixed, a, b, a_log, dt_bias, state, query_start_loc, *slot_args):
-        handed.append((mixed.shape[0], tuple(int(start) for start in query_start_loc)))
-        query_start = torch.tensor(query_start_loc, dtype=torch.int32, device=mixed.device)
+    def recurrence_for_chunks(mixed, a, b, a_log, dt_bias, state, prefills, *slot_args):
+        handed.append((mixed.shape[0], tuple(prefills.bounds.tolist())))
+        query_start = prefills.bounds_on_device.to(torch.int32)
         return gated_delta_varlen(mixed, a, b, a_log, dt_bias, state, query_start, *slot_args)
 
     if chunked_prefills:
@@ -236,9 +237,31 @@ def test_a_layer_mixes_the_same_through_kernels_and_torch(checkpoint_dir, family
 def test_the_chunked_kernels_get_each_chunks_sequence_and_place_from_the_host():
     """Sequences of 64, 1 and 135 tokens: one chunk, one partial chunk, two whole and a
     partial; an empty sequence (a slot the step does not touch) has none."""
-    got = chunk_indices(torch.tensor([0, 64, 65, 65, 200]))
+    got = chunk_indices(torch.tensor([0, 64, 65, 65, 200]), 64)
     assert got.tolist() == [[0, 0], [1, 0], [3, 0], [3, 1], [3, 2]]
     assert got.dtype == torch.long
+
+
+def test_a_steps_prefill_chunks_count_from_the_first_prefill_row_and_are_made_once():
+    """Two decodes, then prefills of 70 and 3 tokens: bounds from the first prefill's row,
+    the chunks of 64 that cut them, and the same object for every layer that asks."""
+    meta = _metadata((0, 1, 2, 72, 75), num_decodes=2)
+    chunks = meta.prefill_chunks(64)
+    assert chunks.bounds.tolist() == [0, 70, 73]
+    assert chunks.bounds_on_device.tolist() == [0, 70, 73]
+    assert chunks.chunks_on_device.tolist() == [[0, 0], [0, 1], [1, 0]]
+    assert meta.prefill_chunks(64) is chunks
+    assert meta.prefill_chunks(32).chunks_on_device.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0]]
+
+
+def _metadata(query_start_loc: tuple[int, ...], num_decodes: int) -> RecurrentMetadata:
+    count = len(query_start_loc) - 1
+    ids = torch.arange(count)
+    starts = torch.tensor(query_start_loc, dtype=torch.int32)
+    zeros = (0,) * count
+    return RecurrentMetadata(
+        num_decodes, query_start_loc, zeros, zeros, zeros, (False,) * count, ids, ids, ids, ids > count, starts
+    )
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention's chunked kernels run on CUDA only")
@@ -267,7 +290,8 @@ def test_chunked_prefill_kernels_match_the_token_by_token_kernel(state_dtype):
     expected = gated_delta_varlen(
         mixed, a, b, a_log, dt_bias, expected_state, query_start, slots, has_state, key_heads, reads, saves
     )
-    starts = tuple(query_start.tolist())
-    got = gated_delta_chunked(mixed, a, b, a_log, dt_bias, state, starts, slots, has_state, key_heads, reads, saves)
+    bounds = query_start.long().cpu()
+    prefills = PrefillChunks(bounds, bounds.to(DEVICE), chunk_indices(bounds, 64).to(DEVICE))
+    got = gated_delta_chunked(mixed, a, b, a_log, dt_bias, state, prefills, slots, has_state, key_heads, reads, saves)
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(state.float(), expected_state.float(), atol=3e-2, rtol=3e-2)
