@@ -40,6 +40,7 @@ MOE_GROUPING |= {"counts_ptr": "*i32"}
 RECURRENT_STEP = {"query_start_ptr": "*i32", "slots_ptr": "*i64", "read_slots_ptr": "*i64", "save_slots_ptr": "*i64"}
 RECURRENT_STEP |= {"has_state_ptr": "*i1"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32", HAS_SINKS=False)
+DECODE |= dict(KEYS_MAJOR=False)
 
 MOE_ROUTE = {
     "logits_ptr": "*bf16",

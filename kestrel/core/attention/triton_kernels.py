@@ -120,16 +120,27 @@ def _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE
 
 
 @triton.jit
-def _softmax_step(scores, row_max, row_sum):
-    """One online-softmax step over `scores` [rows, keys], in base 2 (scores carry the
-    factor log2(e)): the weights, the factor that rescales what was accumulated before,
-    and the new running max and sum."""
-    new_max = tl.maximum(row_max, tl.max(scores, 1))
+def _softmax_step(scores, row_max, row_sum, KEYS_AXIS: tl.constexpr = 1):
+    """One online-softmax step over `scores` [rows, keys] (or [keys, rows], KEYS_AXIS 0), in
+    base 2 (scores carry the factor log2(e)): the weights, the factor that rescales what was
+    accumulated before, and the new running max and sum."""
+    new_max = tl.maximum(row_max, tl.max(scores, KEYS_AXIS))
     # Rows that have seen nothing visible yet keep a max of -inf; subtract 0 there, not -inf.
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = tl.exp2(row_max - safe_max)
-    weights = tl.exp2(scores - safe_max[:, None])
-    return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, 1)
+    weights = tl.exp2(scores - tl.expand_dims(safe_max, KEYS_AXIS))
+    return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, KEYS_AXIS)
+
+
+@triton.jit
+def _visible(key_positions, query_positions, in_sequence, window, chunk):
+    """Whether each query sees each key, for operands that broadcast against each other
+    ([rows, 1] against [1, keys], or the transpose): keys inside the sequence, causally,
+    within `window` (0: no window) and within the query's own `chunk` of positions (0: none)."""
+    causal = key_positions <= query_positions
+    in_window = (window == 0) | (key_positions > query_positions - window)
+    chunk_start = query_positions // tl.maximum(chunk, 1) * chunk  # 0 without chunks
+    return causal & in_window & (key_positions >= chunk_start) & in_sequence
 
 
 @triton.jit
@@ -159,13 +170,20 @@ def _attend_range(
     PRECISION: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
     MASKED: tl.constexpr,
+    KEYS_MAJOR: tl.constexpr = False,
 ):
     """Online-softmax updates of `acc` with the key blocks from `first` to `stop`, which
     may span several pages (looked up in the sequence's page-table row). Rows are queries
     at `query_positions`, seeing keys before `end`, causally, within `window` (0: no
     window) and within their own `chunk` of positions (0: no chunks). Unless MASKED, every
     key of every block is visible to every row: no masks, which cost as many instructions
-    per block as the dots' own work."""
+    per block as the dots' own work.
+
+    KEYS_MAJOR (values stored slot-minor): the key blocks are the dots' rows, scores^T =
+    K Q^T and acc^T += V^T P^T, with `query` and `acc` given transposed ([BLOCK_D, rows]). A
+    key block is then the wide side of both dots, which Hopper's warpgroup tensor cores take
+    (64-row tiles) straight from the registers it was widened in, the query the narrow one;
+    a slot-minor value tile is V^T as loaded."""
     dims = tl.arange(0, BLOCK_D)
     in_dim = (dims < HEAD_DIM)[None, :]
     for block_start in range(first, stop, BLOCK_N):
@@ -185,84 +203,24 @@ def _attend_range(
         else:
             values = tl.load(value_cache_ptr + offsets, mask=key_mask, other=0.0)
         values = values.to(query.dtype)
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
-        if MASKED:
-            causal = positions[None, :] <= query_positions[:, None]
-            in_window = (window == 0) | (positions[None, :] > query_positions[:, None] - window)
-            chunk_start = query_positions // tl.maximum(chunk, 1) * chunk  # 0 without chunks
-            in_chunk = positions[None, :] >= chunk_start[:, None]
-            scores = tl.where(causal & in_window & in_chunk & in_sequence[None, :], scores, float("-inf"))
-        weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
-        acc = acc * rescale[:, None]
-        acc += tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
+        if KEYS_MAJOR:
+            scores = tl.dot(keys, query, input_precision=PRECISION).to(tl.float32) * scale
+            if MASKED:
+                visible = _visible(positions[:, None], query_positions[None, :], in_sequence[:, None], window, chunk)
+                scores = tl.where(visible, scores, float("-inf"))
+            weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, 0)
+            acc = acc * rescale[None, :]
+            values_t = tl.trans(values)
+            acc += tl.dot(values_t, weights.to(values.dtype), input_precision=PRECISION).to(tl.float32)
+        else:
+            scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
+            if MASKED:
+                visible = _visible(positions[None, :], query_positions[:, None], in_sequence[None, :], window, chunk)
+                scores = tl.where(visible, scores, float("-inf"))
+            weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
+            acc = acc * rescale[:, None]
+            acc += tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
     return acc, row_max, row_sum
-
-
-@triton.jit
-def _attend_range_keys_major(
-    first,
-    stop,
-    query_t,
-    acc_t,
-    row_max,
-    row_sum,
-    key_cache_ptr,
-    value_cache_ptr,
-    page_table_row_ptr,
-    query_positions,
-    end,
-    window,
-    chunk,
-    kv_head,
-    scale,
-    stride_cache_head,
-    stride_cache_page,
-    stride_cache_slot,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
-    RUN: tl.constexpr,
-):
-    """`_attend_range` with the keys as the dots' rows: scores^T = K Q^T and acc^T += V^T P^T,
-    over a pool whose values are stored slot-minor (their tile is V^T as loaded). A key block
-    is the large side of both dots, so the tensor cores take it in their wide operand (a
-    warpgroup's 64-row tiles on Hopper) straight from the registers it was widened in, and the
-    query, fixed for the whole loop, is the narrow one. `query_t` [BLOCK_D, rows] and `acc_t`
-    [BLOCK_D, rows]; `row_max` and `row_sum` per query row. Runs of RUN keys lie in one page."""
-    dims = tl.arange(0, BLOCK_D)
-    in_dim = dims < HEAD_DIM
-    for block_start in range(first, stop, BLOCK_N):
-        positions = block_start + tl.arange(0, BLOCK_N)
-        page_starts, in_page, page_in_use = _block_pages(
-            page_table_row_ptr, positions, end, kv_head, stride_cache_head, stride_cache_page, PAGE, MASKED
-        )
-        in_sequence = positions < end
-        key_offsets = page_starts[:, None] + in_page[:, None] * stride_cache_slot + dims[None, :]
-        key_mask = in_sequence[:, None] & in_dim[None, :] if MASKED else in_dim[None, :]
-        keys = tl.load(key_cache_ptr + key_offsets, mask=key_mask, other=0.0).to(query_t.dtype)
-        value_offsets = page_starts[None, :] + in_page[None, :] + dims[:, None] * PAGE
-        value_offsets = tl.max_contiguous(tl.multiple_of(value_offsets, [1, RUN]), [1, RUN])
-        value_mask = page_in_use[None, :] & in_dim[:, None] if MASKED else in_dim[:, None]
-        values_t = tl.load(value_cache_ptr + value_offsets, mask=value_mask, other=0.0).to(query_t.dtype)
-        scores = tl.dot(keys, query_t, input_precision=PRECISION).to(tl.float32) * scale  # [keys, rows]
-        if MASKED:
-            causal = positions[:, None] <= query_positions[None, :]
-            in_window = (window == 0) | (positions[:, None] > query_positions[None, :] - window)
-            chunk_start = query_positions // tl.maximum(chunk, 1) * chunk  # 0 without chunks
-            in_chunk = positions[:, None] >= chunk_start[None, :]
-            scores = tl.where(causal & in_window & in_chunk & in_sequence[:, None], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 0))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp2(row_max - safe_max)
-        weights = tl.exp2(scores - safe_max[None, :])
-        row_sum = row_sum * rescale + tl.sum(weights, 0)
-        row_max = new_max
-        acc_t = acc_t * rescale[None, :]
-        acc_t += tl.dot(values_t, weights.to(values_t.dtype), input_precision=PRECISION).to(tl.float32)
-    return acc_t, row_max, row_sum
 
 
 # Values and per-step arrays (whose alignment varies) that change from step to step: a
@@ -306,10 +264,10 @@ def decode_kernel(
     WHOLE_BLOCKS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DEPENDENT: tl.constexpr,
-    KEYS_MAJOR: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr,
 ):
-    """KEYS_MAJOR: the key blocks as the dots' rows (`_attend_range_keys_major`; values
-    stored slot-minor). `sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
+    """KEYS_MAJOR: the key blocks as the dots' rows (`_attend_range`; values stored
+    slot-minor). `sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
     counted by the first split alone, so that combining the splits counts it once."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
@@ -352,67 +310,39 @@ def decode_kernel(
         whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N  # an empty split: none
         whole_end = tl.where((window == 0) & (chunk == 0), begin + whole_blocks * BLOCK_N, begin)
     query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
+    if KEYS_MAJOR:  # the dots take the query and the accumulator transposed
+        query, acc = tl.trans(query), tl.trans(acc)
+    for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
+        acc, row_max, row_sum = _attend_range(
+            whole_end if masked else begin,
+            end if masked else whole_end,
+            query,
+            acc,
+            row_max,
+            row_sum,
+            key_cache_ptr,
+            value_cache_ptr,
+            table_row,
+            query_positions,
+            end,
+            window,
+            chunk,
+            kv_head,
+            scale,
+            stride_cache_head,
+            stride_cache_page,
+            stride_cache_slot,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            BLOCK_N,
+            PRECISION,
+            VALUES_BY_SLOT,
+            masked == 1,
+            KEYS_MAJOR,
+        )
     if KEYS_MAJOR:
-        acc_t = tl.trans(acc)
-        query_t = tl.trans(query)
-        for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):
-            acc_t, row_max, row_sum = _attend_range_keys_major(
-                whole_end if masked else begin,
-                end if masked else whole_end,
-                query_t,
-                acc_t,
-                row_max,
-                row_sum,
-                key_cache_ptr,
-                value_cache_ptr,
-                table_row,
-                query_positions,
-                end,
-                window,
-                chunk,
-                kv_head,
-                scale,
-                stride_cache_head,
-                stride_cache_page,
-                stride_cache_slot,
-                HEAD_DIM,
-                BLOCK_D,
-                PAGE,
-                BLOCK_N,
-                PRECISION,
-                masked == 1,
-                min(PAGE, BLOCK_N),
-            )
-        acc = tl.trans(acc_t)
-    else:
-        for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
-            acc, row_max, row_sum = _attend_range(
-                whole_end if masked else begin,
-                end if masked else whole_end,
-                query,
-                acc,
-                row_max,
-                row_sum,
-                key_cache_ptr,
-                value_cache_ptr,
-                table_row,
-                query_positions,
-                end,
-                window,
-                chunk,
-                kv_head,
-                scale,
-                stride_cache_head,
-                stride_cache_page,
-                stride_cache_slot,
-                HEAD_DIM,
-                BLOCK_D,
-                PAGE,
-                BLOCK_N,
-                PRECISION,
-                VALUES_BY_SLOT,
-                masked == 1,
-            )
+        acc = tl.trans(acc)
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
     out = acc / seen[:, None]
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining

@@ -168,6 +168,7 @@ def decode_attention(
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
         VALUES_BY_SLOT=cache.values_by_slot,
         HAS_SINKS=sinks is not None,
+        KEYS_MAJOR=False,
         **dependent_launch_args(query.device),
     )
     constants.update(decode_launch(cache, layer.head_dim, splits))
