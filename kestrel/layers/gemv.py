@@ -30,6 +30,7 @@ from kestrel.layers.fused import rotate_half_pair
 from kestrel.layers.ops import HeadRotation
 
 TIMING_REPEATS = 20
+NORM_BLOCK = 1024  # columns a step of the norm that `gemv_then_norm` runs after its matvec
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -165,6 +166,70 @@ def _gemv_rotary_kernel(
     tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second, second), mask=in_rows)
 
 
+@triton.jit
+def _residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, BLOCK: tl.constexpr):
+    """`fused.rms_norm` with a residual, over the one row `out` that every program of this
+    launch wrote: summed = out + residual, normed = norm(summed), rounded where it rounds.
+    Run by the last program to arrive, BLOCK columns a step (a whole row in one block would
+    hold it in registers the matvec needs); `out` is read past this multiprocessor's L1
+    (".cg"), which may hold none of another program's stores."""
+    cols = tl.arange(0, BLOCK)
+    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        inside = start + cols < N
+        out = tl.load(out_ptr + start + cols, mask=inside, other=0.0, cache_modifier=".cg")
+        residual = tl.load(residual_ptr + start + cols, mask=inside, other=0.0)
+        summed = (out.to(tl.float32) + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + start + cols, summed, mask=inside)
+        squares += summed.to(tl.float32) * summed.to(tl.float32)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(squares, 0) / N + eps)
+    tl.debug_barrier()  # the sums each thread stored, visible to every thread of the program
+    for start in range(0, N, BLOCK):
+        inside = start + cols < N
+        summed = tl.load(summed_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        weight = tl.load(norm_weight_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        normed = (summed * inverse_rms).to(normed_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(normed_ptr + start + cols, (weight * normed).to(normed_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _gemv_norm_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    normed_ptr,
+    summed_ptr,
+    arrivals_ptr,
+    N,
+    K,
+    stride_w,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`_gemv_kernel`'s rows of out = w @ x (+ bias); the last program to finish then adds the
+    residual and normalises the whole row (`_residual_norm_tail`), and sets `arrivals` back to
+    zero."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    acc, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
+    # Every thread's stores, then one release: the program that arrives last acquires them all.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        _residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, NORM_BLOCK)
+        tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+
+
 MATVEC_CONFIGS = [
     triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
     # The best of a wide sweep on the H200 for every Llama-3-8B shape, then (on an H100) for
@@ -175,6 +240,7 @@ MATVEC_CONFIGS = [
 _tuned_gemv_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_kernel)
 _tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH", "K"])(_gemv_silu_and_mul_kernel)
 _tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K"])(_gemv_rotary_kernel)
+_tuned_norm_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_norm_kernel)
 
 
 def gemv(
@@ -231,6 +297,33 @@ def gemv_rotary(
     return out
 
 
+def gemv_then_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    config: triton.Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused.rms_norm(x @ weight.T (+ bias), norm_weight, eps, residual)` for x [1, K] in one launch:
+    (the normalised sum, the sum). The matvec's last program to finish runs the norm, where a
+    second launch ran it (a decode step's output projection, then the norm after attention)."""
+    n, k = _check_operands(x, weight)
+    if residual.shape != (1, n) or norm_weight.shape != (n,):
+        raise ValueError(
+            f"gemv_then_norm takes a residual [1, {n}] and a norm weight [{n}]; got {tuple(residual.shape)}, "
+            f"{tuple(norm_weight.shape)}"
+        )
+    out, normed, summed = (torch.empty((1, n), dtype=x.dtype, device=x.device) for _ in range(3))
+    # Without a bias the kernel never reads its pointer; `out` stands in.
+    args = (x.contiguous(), weight, out if bias is None else bias, out, residual.contiguous(), norm_weight)
+    args += (normed, summed, arrival_counter(x.device), n, k, weight.stride(0), eps)
+    constants = dict(HAS_BIAS=bias is not None, NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(n)))
+    launch_rows(_gemv_norm_kernel, _tuned_norm_kernel, n, config, args, **constants)
+    return normed, summed
+
+
 def launch_rows(kernel, tuned_kernel, units: int, config: triton.Config | None, args: tuple, **constants) -> None:
     """`units` outputs (rows, or row pairs), BLOCK_N per program: the autotuned kernel, or the
     plain one with `config`. Launched as dependent where the GPU allows (dependent_launch)."""
@@ -239,6 +332,23 @@ def launch_rows(kernel, tuned_kernel, units: int, config: triton.Config | None, 
         tuned_kernel[lambda meta: (triton.cdiv(units, meta["BLOCK_N"]),)](*args, **constants)
     else:
         kernel[(triton.cdiv(units, config.kwargs["BLOCK_N"]),)](*args, **constants, **config.all_kwargs())
+
+
+# One arrival counter per device, zero between launches: each launch of a kernel that counts
+# its programs in (`_gemv_norm_kernel`, fused_moe's router) sets it back to zero at its end.
+# Launches on one device run one after another in stream order, and a dependent launch counts
+# only after `wait_for_inputs`, so two launches never count at once.
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counter(device: torch.device) -> torch.Tensor:
+    counter = _arrivals.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Made inside a capture, its zeroing would run at replay only, not before.
+            raise RuntimeError("a kernel that counts arrivals must first run before graph capture (a warm-up forward)")
+        counter = _arrivals[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:

@@ -144,6 +144,15 @@ class RowParallelLinear(Linear):
         out = self.parallel.all_reduce(ops.linear(x, self.weight, use_gemv=self.use_gemv))
         return out if self.bias is None else out + self.bias
 
+    def then_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rms_norm(self(x), norm_weight, eps, residual)`: (the normalised sum, the sum), in the
+        matvec's launch where this rank holds the whole sum (one rank: no all-reduce between)."""
+        if self.parallel.size == 1:
+            return ops.linear_then_norm(x, self.weight, residual, norm_weight, eps, self.bias, self.use_gemv)
+        return ops.rms_norm(self(x), norm_weight, eps, residual)
+
 
 class FusedColumnLinear(ColumnParallelLinear):
     """A column-parallel layer whose checkpoint holds every part in one tensor, each whole,

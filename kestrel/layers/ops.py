@@ -66,6 +66,25 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = 
     return silu_and_mul(linear(x, weight, use_gemv=use_gemv))
 
 
+def linear_then_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | PackedWeight,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    use_gemv: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm(x @ weight.T (+ bias), norm_weight, eps, residual)`: (the normalised sum, the
+    sum). One kernel where a one-row linear takes the Triton matvec (its last program runs the
+    norm)."""
+    if not isinstance(weight, PackedWeight) and takes_gemv(x, use_gemv):
+        from kestrel.layers import gemv
+
+        return gemv.gemv_then_norm(x, weight, residual, norm_weight, eps, bias)
+    return rms_norm(linear(x, weight, bias, use_gemv), norm_weight, eps, residual)
+
+
 @dataclass(frozen=True)
 class HeadRotation:
     """The rotary embedding of a projection's first `heads` heads of `head_dim` columns (a

@@ -62,7 +62,27 @@ def column_linear(spec: DecoderSpec) -> type[ColumnParallelLinear]:
     return FusedColumnLinear if spec.fused_projections else ColumnParallelLinear
 
 
-class DecoderAttention(nn.Module):
+class ProjectedMixer(nn.Module):
+    """A token mixer (attention, linear attention) that ends in a row-parallel output
+    projection: `attend` computes what the projection reads. Split so that the block can run
+    the norm after the mixer inside the projection (`ResidualBlock.mix_then_norm`)."""
+
+    def attend(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def output_projection(self) -> RowParallelLinear:
+        return self.o_proj
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        return self.output_projection(self.attend(hidden, rotary, context))
+
+
+class DecoderAttention(ProjectedMixer):
     def __init__(
         self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel, norm: type[RMSNorm] = RMSNorm
     ) -> None:
@@ -76,9 +96,10 @@ class DecoderAttention(nn.Module):
         self.k_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.sinks: torch.Tensor | None = None  # per query head, where the family has them (GPT-OSS)
 
-    def forward(
+    def attend(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
+        """The attended values [tokens, heads x head_dim], before the output projection."""
         spec = self.layer_spec
         tokens = hidden.shape[0]
         cos, sin = rotary
@@ -104,7 +125,7 @@ class DecoderAttention(nn.Module):
             )
         value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
         attended = context.attend(self.layer_index, query, key, value, spec, sinks=self.sinks)
-        return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))
+        return attended.reshape(tokens, spec.num_heads * spec.head_dim)
 
 
 class DecoderMLP(nn.Module):
@@ -137,10 +158,25 @@ class ResidualBlock(nn.Module):
         self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
 
-    def mix(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
-    ) -> torch.Tensor:
+    def token_mixer(self) -> nn.Module:
+        """This layer's mixer, called as mixer(hidden, rotary, context)."""
         raise NotImplementedError
+
+    def mix_then_norm(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm of the mixer's output plus the residual: (normed, the sum).
+        A mixer that ends in an output projection runs the norm inside it (at one row, in the
+        matvec's last program), where the norm took a launch of its own."""
+        mixer, norm = self.token_mixer(), self.post_attention_layernorm
+        if isinstance(mixer, ProjectedMixer):
+            attended = mixer.attend(hidden, rotary, context)
+            return mixer.output_projection.then_norm(attended, residual, norm.effective_weight, norm.eps)
+        return norm(mixer(hidden, rotary, context), residual)
 
     def forward(
         self,
@@ -157,8 +193,7 @@ class ResidualBlock(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.mix(hidden, rotary, context)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.mix_then_norm(hidden, residual, rotary, context)
         return self.mlp(hidden), residual
 
 
@@ -171,10 +206,8 @@ class DecoderLayer(ResidualBlock):
         else:
             self.mlp = DecoderMLP(spec, parallel)
 
-    def mix(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
-    ) -> torch.Tensor:
-        return self.self_attn(hidden, rotary, context)
+    def token_mixer(self) -> nn.Module:
+        return self.self_attn
 
 
 class DecoderModel(nn.Module):

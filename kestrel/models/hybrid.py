@@ -40,6 +40,7 @@ from kestrel.layers.norm import OffsetRMSNorm, RMSNorm
 from kestrel.models.dense import (
     DecoderForCausalLM,
     DecoderMLP,
+    ProjectedMixer,
     ResidualBlock,
     attention_layer_spec,
     attention_shards,
@@ -163,7 +164,7 @@ class DeltaNetConv(nn.Module):
         copy_into(param.data, self.shard.qkv_rows(tensor, "conv1d"), "conv1d")
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(ProjectedMixer):
     def __init__(self, spec: DecoderSpec, state_index: int, parallel: TensorParallel) -> None:
         super().__init__()
         self.shard = DeltaNetShard.of(spec.linear_attention, parallel)
@@ -183,7 +184,11 @@ class GatedDeltaNet(nn.Module):
         """dt_bias and A_log: one value per value head."""
         copy_into(param.data, self.shard.value_rows(tensor, 1, "per-head parameter"), "per-head parameter")
 
-    def forward(
+    @property
+    def output_projection(self) -> RowParallelLinear:
+        return self.out_proj
+
+    def attend(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
         mixed, gate, b, a = self.in_proj.split(self.in_proj(hidden))
@@ -191,7 +196,7 @@ class GatedDeltaNet(nn.Module):
         mix = self.mix_with_kernels if ops.runs_kernels(hidden) else self.mix_with_torch
         out = mix(mixed, a, b, state, meta)
         out = self.norm(out, gate.reshape(out.shape))
-        return self.out_proj(out.reshape(hidden.shape[0], self.linear.value_size))
+        return out.reshape(hidden.shape[0], self.linear.value_size)
 
     def mix_with_kernels(
         self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state: RecurrentLayerState, meta: RecurrentMetadata
@@ -354,7 +359,7 @@ def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view(-1, *([1] * (states.dim() - 1))), states, states.new_zeros(()))
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(ProjectedMixer):
     """Full attention with a sigmoid output gate, Gemma-style q/k norms and partial rotary."""
 
     def __init__(self, spec: DecoderSpec, kv_index: int, parallel: TensorParallel) -> None:
@@ -367,7 +372,7 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
 
-    def forward(
+    def attend(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
         spec, tokens = self.layer_spec, hidden.shape[0]
@@ -379,7 +384,7 @@ class GatedAttention(nn.Module):
         value = value.reshape(tokens, spec.num_kv_heads, spec.head_dim)
         attended = context.attend(self.kv_index, query, key, value, spec)
         gated = ops.sigmoid_gate(attended.reshape(tokens, spec.num_heads, spec.head_dim), gate)
-        return self.o_proj(gated.view(tokens, -1))
+        return gated.view(tokens, -1)
 
 
 class SharedExpertMoe(SparseMoe):
@@ -436,9 +441,8 @@ class HybridDecoderLayer(ResidualBlock):
         else:
             self.mlp = DecoderMLP(spec, parallel)
 
-    def mix(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext):
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        return mixer(hidden, rotary, context)
+    def token_mixer(self) -> nn.Module:
+        return self.linear_attn if self.is_linear else self.self_attn
 
 
 class HybridForCausalLM(DecoderForCausalLM):

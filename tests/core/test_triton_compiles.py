@@ -64,6 +64,13 @@ CASES = {
         BF16_ROW | {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
         dict(HAS_BIAS=False, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
+    "gemv_then_norm": (  # an output projection whose last program runs the norm after attention
+        gemv._gemv_norm_kernel,
+        BF16_ROW
+        | {"residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "normed_ptr": "*bf16", "summed_ptr": "*bf16"}
+        | {"arrivals_ptr": "*i32", "eps": "fp32"},
+        dict(HAS_BIAS=False, NORM_BLOCK=4096, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+    ),
     "int4_gemv": (  # a 4096-wide bf16 projection's codes, widened in registers
         int4_matmul.int4_gemv_kernel,
         BF16_ROW | {"codes_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16"},
