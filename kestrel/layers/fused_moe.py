@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs, wait_then_release
 from kestrel.layers.gemv import MATVEC_CONFIGS, arrival_counter, launch_rows, row_dots
 
 # Per-row float32 scales of w13 and w2 where the experts are float8, else None.
@@ -662,7 +662,9 @@ def _expert_gate_up_kernel(
     throughout; with HAS_SCALE, float8 rows, each dot times its row's scale; HAS_BIAS and
     WEIGHT_INPUT as `grouped_matmul_kernel`'s."""
     row = tl.program_id(0)
-    wait_for_inputs(DEPENDENT)  # the expert comes from the routing kernel: nothing to prefetch
+    # The expert comes from the routing kernel just before: nothing to prefetch. Released only
+    # after the wait, so that the down matvec after this one may read the experts early.
+    wait_then_release(DEPENDENT)
     expert = tl.load(experts_ptr + row).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < inter
@@ -714,24 +716,32 @@ def _expert_down_sum_kernel(
     activated[row] + bias[e, n]), summed in float32 and rounded once; unWEIGHTED (the weights
     scaled the input), a plain sum. All of a token's choices share one tile [CHOICES, BLOCK_N,
     BLOCK_K] (CHOICES: WIDTH rounded up to a power of two), so every expert's rows are loaded
-    together: 7% faster per Qwen3-30B-A3B layer than one expert after another (H100)."""
+    together: 7% faster per Qwen3-30B-A3B layer than one expert after another (H100).
+
+    Launched as dependent of the gate/up matvec, which lets it start only once every kernel
+    before that one has finished (`wait_then_release`): the experts are read, and the first
+    block of their weights requested, while the gate/up matvec still runs. Read past L1
+    (".cg"): the experts' buffer may have held another step's before."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < hidden
     choices = tl.arange(0, CHOICES)
     in_choices = choices < WIDTH
     rows = token * WIDTH + choices
-    wait_for_inputs(DEPENDENT)
-    experts = tl.load(experts_ptr + rows, mask=in_choices, other=0).to(tl.int64)
+    experts = tl.load(experts_ptr + rows, mask=in_choices, other=0, cache_modifier=".cg").to(tl.int64)
     w_rows = w2_ptr + experts[:, None, None] * stride_w_expert + cols[None, :, None] * stride_w_n
     inputs = activated_ptr + rows[:, None] * inter
     row_mask = in_choices[:, None, None] & in_cols[None, :, None]
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + k[None, None, :], mask=row_mask & (k < inter)[None, None, :], other=0.0)
+    wait_for_inputs(DEPENDENT)
     dots = tl.zeros((CHOICES, BLOCK_N), dtype=tl.float32)
     for start in range(0, inter, BLOCK_K):
-        k = start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + k[None, None, :], mask=row_mask & (k < inter)[None, None, :], other=0.0)
-        x = tl.load(inputs + k[None, :], mask=in_choices[:, None] & (k < inter)[None, :], other=0.0)
+        block = start + k
+        x = tl.load(inputs + block[None, :], mask=in_choices[:, None] & (block < inter)[None, :], other=0.0)
         dots += tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
+        following = block + BLOCK_K
+        w = tl.load(w_rows + following[None, None, :], mask=row_mask & (following < inter)[None, None, :], other=0.0)
     both = in_choices[:, None] & in_cols[None, :]
     if HAS_SCALE:
         dots *= tl.load(scales_ptr + experts[:, None] * stride_scales + cols[None, :], mask=both, other=0.0)

@@ -50,3 +50,14 @@ def wait_for_inputs(DEPENDENT: tl.constexpr):
     if DEPENDENT:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def wait_then_release(DEPENDENT: tl.constexpr):
+    """`wait_for_inputs` in the other order: wait for the kernel before this one, then let the
+    next kernel start. That next kernel may then read, before its own wait, what any kernel
+    before this one wrote (they have all finished): the expert down matvec reads its token's
+    experts, and requests its first weights, while the gate/up matvec before it runs."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
