@@ -21,13 +21,15 @@ two rows, d and d + head_dim / 2 of a head, that rotate together.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 from kestrel.layers.fused import rotate_half_pair
-from kestrel.layers.ops import HeadRotation
+from kestrel.layers.ops import HeadRotation, ResidualNorm
 
 TIMING_REPEATS = 20
 NORM_BLOCK = 1024  # columns a step of the norm that `gemv_then_norm` runs after its matvec
@@ -167,7 +169,7 @@ def _gemv_rotary_kernel(
 
 
 @triton.jit
-def _residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, BLOCK: tl.constexpr):
+def residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, BLOCK: tl.constexpr):
     """`fused.rms_norm` with a residual, over the one row `out` that every program of this
     launch wrote: summed = out + residual, normed = norm(summed), rounded where it rounds.
     Run by the last program to arrive, BLOCK columns a step (a whole row in one block would
@@ -214,7 +216,7 @@ def _gemv_norm_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """`_gemv_kernel`'s rows of out = w @ x (+ bias); the last program to finish then adds the
-    residual and normalises the whole row (`_residual_norm_tail`), and sets `arrivals` back to
+    residual and normalises the whole row (`residual_norm_tail`), and sets `arrivals` back to
     zero."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
@@ -226,7 +228,7 @@ def _gemv_norm_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:
-        _residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, NORM_BLOCK)
+        residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, NORM_BLOCK)
         tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -300,28 +302,62 @@ def gemv_rotary(
 def gemv_then_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
+    norm: ResidualNorm,
     bias: torch.Tensor | None = None,
     config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused.rms_norm(x @ weight.T (+ bias), norm_weight, eps, residual)` for x [1, K] in one launch:
-    (the normalised sum, the sum). The matvec's last program to finish runs the norm, where a
-    second launch ran it (a decode step's output projection, then the norm after attention)."""
+    """`norm.apply(x @ weight.T (+ bias))` for x [1, K] in one launch: (the normalised sum, the
+    sum). The matvec's last program to finish runs the norm, where a second launch ran it (a
+    decode step's output projection, then the norm after attention)."""
     n, k = _check_operands(x, weight)
-    if residual.shape != (1, n) or norm_weight.shape != (n,):
-        raise ValueError(
-            f"gemv_then_norm takes a residual [1, {n}] and a norm weight [{n}]; got {tuple(residual.shape)}, "
-            f"{tuple(norm_weight.shape)}"
-        )
-    out, normed, summed = (torch.empty((1, n), dtype=x.dtype, device=x.device) for _ in range(3))
+    tail = NormTail.of(norm, x, n)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     # Without a bias the kernel never reads its pointer; `out` stands in.
-    args = (x.contiguous(), weight, out if bias is None else bias, out, residual.contiguous(), norm_weight)
-    args += (normed, summed, arrival_counter(x.device), n, k, weight.stride(0), eps)
-    constants = dict(HAS_BIAS=bias is not None, NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(n)))
-    launch_rows(_gemv_norm_kernel, _tuned_norm_kernel, n, config, args, **constants)
-    return normed, summed
+    args = (
+        x.contiguous(),
+        weight,
+        out if bias is None else bias,
+        out,
+        *tail.pointers,
+        n,
+        k,
+        weight.stride(0),
+        norm.eps,
+    )
+    launch_rows(_gemv_norm_kernel, _tuned_norm_kernel, n, config, args, HAS_BIAS=bias is not None, **tail.constants)
+    return tail.normed, tail.summed
+
+
+@dataclass(frozen=True)
+class NormTail:
+    """What a kernel that ends in `residual_norm_tail` takes for a `ResidualNorm` of one row
+    of `width`: its pointers (the residual, the norm's weight, the two outputs, the arrival
+    counter) and constants, and the outputs it fills."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    normed: torch.Tensor
+    summed: torch.Tensor
+    arrivals: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, norm: ResidualNorm, like: torch.Tensor, width: int) -> NormTail:
+        if norm.residual.shape != (1, width) or norm.weight.shape != (width,):
+            raise ValueError(
+                f"a norm after a one-row kernel takes a residual [1, {width}] and a norm weight [{width}]; "
+                f"got {tuple(norm.residual.shape)}, {tuple(norm.weight.shape)}"
+            )
+        normed, summed = (torch.empty((1, width), dtype=like.dtype, device=like.device) for _ in range(2))
+        return cls(norm.residual.contiguous(), norm.weight, normed, summed, arrival_counter(like.device), norm.eps)
+
+    @property
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        return self.residual, self.weight, self.normed, self.summed, self.arrivals
+
+    @property
+    def constants(self) -> dict[str, int]:
+        return {"NORM_BLOCK": min(NORM_BLOCK, triton.next_power_of_2(self.residual.shape[1]))}
 
 
 def launch_rows(kernel, tuned_kernel, units: int, config: triton.Config | None, args: tuple, **constants) -> None:

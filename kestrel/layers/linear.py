@@ -144,14 +144,12 @@ class RowParallelLinear(Linear):
         out = self.parallel.all_reduce(ops.linear(x, self.weight, use_gemv=self.use_gemv))
         return out if self.bias is None else out + self.bias
 
-    def then_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rms_norm(self(x), norm_weight, eps, residual)`: (the normalised sum, the sum), in the
-        matvec's launch where this rank holds the whole sum (one rank: no all-reduce between)."""
+    def then_norm(self, x: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm.apply(self(x))`: (the normalised sum, the sum), in the matvec's launch where
+        this rank holds the whole sum (one rank: no all-reduce between)."""
         if self.parallel.size == 1:
-            return ops.linear_then_norm(x, self.weight, residual, norm_weight, eps, self.bias, self.use_gemv)
-        return ops.rms_norm(self(x), norm_weight, eps, residual)
+            return ops.linear_then_norm(x, self.weight, norm, self.bias, self.use_gemv)
+        return norm.apply(self(x))
 
 
 class FusedColumnLinear(ColumnParallelLinear):

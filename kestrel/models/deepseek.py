@@ -245,6 +245,9 @@ class DeepseekDecoderLayer(ResidualBlock):
     def token_mixer(self) -> nn.Module:
         return self.self_attn
 
+    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp.then_norm(hidden, norm)
+
 
 def _softmax_scale(hf_config: object, query_dim: int) -> float:
     """query_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared where the config

@@ -141,17 +141,25 @@ class DecoderMLP(nn.Module):
         self.fused_silu = spec.hidden_act == "silu"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activated(hidden))
+
+    def then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm.apply(self(hidden))`, the norm in the down projection's matvec at one row."""
+        return self.down_proj.then_norm(self.activated(hidden), norm)
+
+    def activated(self, hidden: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: what the down projection reads."""
         if self.fused_silu:
             gate_up = self.gate_up_proj
-            return self.down_proj(ops.linear_silu_and_mul(hidden, gate_up.weight, gate_up.use_gemv))
+            return ops.linear_silu_and_mul(hidden, gate_up.weight, gate_up.use_gemv)
         gate_up = self.gate_up_proj(hidden)
         gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(self.act(gate.contiguous()).mul_(up))
+        return self.act(gate.contiguous()).mul_(up)
 
 
 class ResidualBlock(nn.Module):
     """norm -> token mixer -> norm -> MLP, with the residual stream carried between layers.
-    A subclass provides the mixer (`mix`) and the MLP."""
+    A subclass provides the mixer (`token_mixer`) and the MLP."""
 
     def __init__(self, spec: DecoderSpec, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
@@ -175,8 +183,14 @@ class ResidualBlock(nn.Module):
         mixer, norm = self.token_mixer(), self.post_attention_layernorm
         if isinstance(mixer, ProjectedMixer):
             attended = mixer.attend(hidden, rotary, context)
-            return mixer.output_projection.then_norm(attended, residual, norm.effective_weight, norm.eps)
+            return mixer.output_projection.then_norm(attended, norm.with_residual(residual))
         return norm(mixer(hidden, rotary, context), residual)
+
+    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm` (the next layer's input norm, or the model's last) of the MLP's output plus
+        the residual: (normed, the sum). A subclass whose MLP can run the norm in its last
+        launch hands it over."""
+        return norm.apply(self.mlp(hidden))
 
     def forward(
         self,
@@ -196,6 +210,20 @@ class ResidualBlock(nn.Module):
         hidden, residual = self.mix_then_norm(hidden, residual, rotary, context)
         return self.mlp(hidden), residual
 
+    def step(
+        self,
+        normed: torch.Tensor,
+        residual: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: ForwardContext,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the norms shifted by one: takes this layer's input already normalised
+        and returns the next one's, `next_norm` of (MLP output + residual), with the residual
+        stream. So the MLP's last launch may run that norm, as the mixer's runs the one after it."""
+        hidden, residual = self.mix_then_norm(normed, residual, rotary, context)
+        return self.mlp_then_norm(hidden, next_norm.with_residual(residual))
+
 
 class DecoderLayer(ResidualBlock):
     def __init__(self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel) -> None:
@@ -208,6 +236,9 @@ class DecoderLayer(ResidualBlock):
 
     def token_mixer(self) -> nn.Module:
         return self.self_attn
+
+    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp.then_norm(hidden, norm)
 
 
 class DecoderModel(nn.Module):
@@ -247,10 +278,14 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.rotary_dim, hidden.dtype)
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rotary, context)
-        return self.model.norm(hidden, residual)[0]
+        # Each layer runs the next one's input norm (the last, the model's), so that its MLP's
+        # last launch may: the first layer's input norm comes first.
+        layers = self.model.layers
+        residual, normed = hidden, layers[0].input_layernorm(hidden)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, next_norm in zip(layers, next_norms, strict=True):
+            normed, residual = layer.step(normed, residual, rotary, context, next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.parallel.all_gather_columns(ops.linear(hidden, self.matvec_weight, use_gemv=self.use_gemv))

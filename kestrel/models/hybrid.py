@@ -417,6 +417,14 @@ class SharedExpertMoe(SparseMoe):
             return mixed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
         return self.mix_experts(hidden, *self.pick(routed, hidden.dtype, shared_logits))
 
+    def then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm.apply(self(hidden))`; with the shared expert stacked, at one row, the norm runs
+        in the experts' last launch."""
+        if self.num_stacked > self.num_experts and ops.takes_gemv(hidden, self.gate.use_gemv):
+            choices = self.route_in_matvec(hidden, self.gate.weight, gated_shared=1)
+            return self.mix_experts_then_norm(hidden, *choices, norm)
+        return norm.apply(self(hidden))
+
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,6 +451,9 @@ class HybridDecoderLayer(ResidualBlock):
 
     def token_mixer(self) -> nn.Module:
         return self.linear_attn if self.is_linear else self.self_attn
+
+    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp.then_norm(hidden, norm)
 
 
 class HybridForCausalLM(DecoderForCausalLM):

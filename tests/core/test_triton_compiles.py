@@ -242,15 +242,23 @@ CASES = {
             "weights_ptr": "*bf16",
             "out_ptr": "*bf16",
         },
-        dict(
-            WIDTH=11, CHOICES=16, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=256
-        ),
+        dict(WIDTH=11, CHOICES=16, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2)
+        | dict(BLOCK_K=256, NORM=False, NORM_BLOCK=1),
+    ),
+    "moe_expert_down_sum_then_norm": (  # one token: the last program runs the next layer's input norm
+        fused_moe._expert_down_sum_kernel,
+        {"activated_ptr": "*bf16", "w2_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16"}
+        | {"out_ptr": "*bf16", "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "normed_ptr": "*bf16"}
+        | {"summed_ptr": "*bf16", "arrivals_ptr": "*i32", "eps": "fp32"},
+        dict(WIDTH=8, CHOICES=8, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2)
+        | dict(BLOCK_K=256, NORM=True, NORM_BLOCK=1024),
     ),
     "moe_expert_down_sum_float8": (
         fused_moe._expert_down_sum_kernel,
         {"activated_ptr": "*bf16", "w2_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32"}
         | {"weights_ptr": "*bf16", "out_ptr": "*bf16", "bias_ptr": "*bf16"},
-        dict(WIDTH=8, CHOICES=8, HAS_SCALE=True, HAS_BIAS=True, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=256),
+        dict(WIDTH=8, CHOICES=8, HAS_SCALE=True, HAS_BIAS=True, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2)
+        | dict(BLOCK_K=256, NORM=False, NORM_BLOCK=1),
     ),
     "head_norm_partial_rotary": (  # Qwen3-Next: 64 of 256 columns rotated, a float32 folded weight
         fused._head_norm_rotary_kernel,

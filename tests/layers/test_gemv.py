@@ -148,7 +148,8 @@ def test_gemv_then_norm_is_the_linear_then_the_residual_norm(dtype, with_bias, n
     projected = gemv.gemv(x, weight, bias, config=config)
     expected_normed, expected_summed = fused.rms_norm(projected, norm_weight, 1e-6, residual)
     for _ in range(50 if DEVICE == "cuda" else 2):
-        normed, summed = gemv.gemv_then_norm(x, weight, residual, norm_weight, 1e-6, bias, config=config)
+        norm = ops.ResidualNorm(residual, norm_weight, 1e-6)
+        normed, summed = gemv.gemv_then_norm(x, weight, norm, bias, config=config)
         assert torch.equal(summed, expected_summed)
         if DEVICE == "cpu" and n <= gemv.NORM_BLOCK:  # the squares summed in one block, as there
             assert torch.equal(normed, expected_normed)
@@ -157,8 +158,6 @@ def test_gemv_then_norm_is_the_linear_then_the_residual_norm(dtype, with_bias, n
 
 
 def test_gemv_then_norm_refuses_a_residual_of_another_width():
+    norm = ops.ResidualNorm(torch.zeros(1, 6, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="residual \\[1, 8\\]"):
-        gemv.gemv_then_norm(
-            torch.zeros(1, 4, device=DEVICE), torch.zeros(8, 4, device=DEVICE), torch.zeros(1, 6, device=DEVICE),
-            torch.ones(8, device=DEVICE), 1e-6,
-        )  # fmt: skip
+        gemv.gemv_then_norm(torch.zeros(1, 4, device=DEVICE), torch.zeros(8, 4, device=DEVICE), norm)
