@@ -33,7 +33,9 @@ from kestrel.layers.gemv import (
     MATVEC_CONFIGS,
     NormTail,
     arrival_counter,
+    arrives_last,
     launch_rows,
+    reset_arrivals,
     residual_norm_tail,
     row_dots,
 )
@@ -279,10 +281,7 @@ def _gemv_route_kernel(
     if HAS_BIAS:
         dots += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(logits_ptr + rows, dots.to(logits_ptr.dtype.element_ty), mask=in_rows)
-    # Every thread's stores, then one release: the program that arrives last acquires them all.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
+    if arrives_last(arrivals_ptr, tl.num_programs(0)):
         _route_token(
             logits_ptr,
             logits_ptr + num_experts,
@@ -298,7 +297,7 @@ def _gemv_route_kernel(
             RENORMALIZE,
             ".cg",
         )
-        tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+        reset_arrivals(arrivals_ptr)
 
 
 _tuned_gemv_route_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_route_kernel)
@@ -771,13 +770,10 @@ def _expert_down_sum_kernel(
         dots *= tl.load(weights_ptr + rows, mask=in_choices, other=0.0).to(tl.float32)[:, None]
     total = tl.sum(dots, axis=0)
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=in_cols)
-    if NORM:
-        # Every thread's stores, then one release: the program that arrives last acquires them all.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
+    if NORM:  # noqa: SIM102 (a constant's branch: without NORM no program counts itself in)
+        if arrives_last(arrivals_ptr, tl.num_programs(1)):
             residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, hidden, eps, NORM_BLOCK)
-            tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+            reset_arrivals(arrivals_ptr)
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,22 @@ def _gemv_rotary_kernel(
 
 
 @triton.jit
+def arrives_last(arrivals_ptr, programs):
+    """Counts this program in once every thread's stores are done (a barrier, then one
+    acquire-release add: the program that arrives last acquires all programs' stores), and
+    says whether it is the last of `programs`. That one resets the count (`reset_arrivals`)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    return arrived == programs - 1
+
+
+@triton.jit
+def reset_arrivals(arrivals_ptr):
+    """The count back to zero, for the next launch (`arrival_counter`)."""
+    tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, BLOCK: tl.constexpr):
     """`fused.rms_norm` with a residual, over the one row `out` that every program of this
     launch wrote: summed = out + residual, normed = norm(summed), rounded where it rounds.
@@ -224,12 +240,9 @@ def _gemv_norm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
-    # Every thread's stores, then one release: the program that arrives last acquires them all.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
+    if arrives_last(arrivals_ptr, tl.num_programs(0)):
         residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, NORM_BLOCK)
-        tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+        reset_arrivals(arrivals_ptr)
 
 
 MATVEC_CONFIGS = [
