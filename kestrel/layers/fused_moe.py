@@ -38,6 +38,7 @@ from kestrel.layers.gemv import (
     reset_arrivals,
     residual_norm_tail,
     row_dots,
+    store_rows,
 )
 from kestrel.layers.ops import ResidualNorm
 
@@ -275,12 +276,7 @@ def _gemv_route_kernel(
     """The router's logits w @ x (+ bias) for BLOCK_N rows per program, stored in x's dtype
     (as the router linear rounds them); the last program to finish routes the token from all
     of them (`_route_token`) and sets `arrivals` back to zero for the next launch."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < N
-    dots, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        dots += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-    tl.store(logits_ptr + rows, dots.to(logits_ptr.dtype.element_ty), mask=in_rows)
+    store_rows(x_ptr, w_ptr, bias_ptr, logits_ptr, N, K, stride_w, HAS_BIAS, DEPENDENT, BLOCK_N, BLOCK_K)
     if arrives_last(arrivals_ptr, tl.num_programs(0)):
         _route_token(
             logits_ptr,

@@ -169,6 +169,30 @@ def _gemv_rotary_kernel(
 
 
 @triton.jit
+def store_rows(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """This program's BLOCK_N rows of out = w @ x (+ bias), stored in out's dtype: the matvec
+    of the kernels whose last program then uses the whole row (`arrives_last`)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    dots, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        dots += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, dots.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+@triton.jit
 def arrives_last(arrivals_ptr, programs):
     """Counts this program in once every thread's stores are done (a barrier, then one
     acquire-release add: the program that arrives last acquires all programs' stores), and
@@ -234,12 +258,7 @@ def _gemv_norm_kernel(
     """`_gemv_kernel`'s rows of out = w @ x (+ bias); the last program to finish then adds the
     residual and normalises the whole row (`residual_norm_tail`), and sets `arrivals` back to
     zero."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < N
-    acc, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
+    store_rows(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS, DEPENDENT, BLOCK_N, BLOCK_K)
     if arrives_last(arrivals_ptr, tl.num_programs(0)):
         residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, NORM_BLOCK)
         reset_arrivals(arrivals_ptr)
