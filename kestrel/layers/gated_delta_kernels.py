@@ -189,11 +189,8 @@ def gated_delta_kernel(
     """One (sequence, value head, block of value columns): the recurrence over the
     sequence's rows, from the state in its read slot to its slot and its save slot. mixed
     rows are the convolution's output [q | k | v] over all heads; state [slots, value heads,
-    KEY_DIM, VALUE_DIM], computed in float32 and stored in its own dtype.
-
-    The state tile (the bulk of a decode step's reads) is requested before waiting for the
-    kernel before this one: no kernel of the step writes it before this one does, and the
-    step's vectors (bounds, slots) were copied before its first kernel."""
+    KEY_DIM, VALUE_DIM], computed in float32 and stored in its own dtype."""
+    wait_for_inputs(DEPENDENT)
     seq = tl.program_id(1) // NUM_VALUE_HEADS
     head = tl.program_id(1) % NUM_VALUE_HEADS
     key_head = head // (NUM_VALUE_HEADS // NUM_KEY_HEADS)
@@ -207,7 +204,6 @@ def gated_delta_kernel(
     tile = state_ptr + tl.load(read_slots_ptr + seq).to(tl.int64) * stride_state_slot + head_tile
     in_tile = in_k[:, None] & in_v[None, :]
     state = tl.load(tile, mask=in_tile & keep, other=0.0).to(tl.float32)  # a fresh sequence starts from zero
-    wait_for_inputs(DEPENDENT)
     decay_rate = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     q_offset = key_head * KEY_DIM

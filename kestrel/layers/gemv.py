@@ -21,18 +21,15 @@ two rows, d and d + head_dim / 2 of a head, that rotate together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 from kestrel.layers.fused import rotate_half_pair
-from kestrel.layers.ops import HeadRotation, ResidualNorm
+from kestrel.layers.ops import HeadRotation
 
 TIMING_REPEATS = 20
-NORM_BLOCK = 1024  # columns a step of the norm that `gemv_then_norm` runs after its matvec
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -168,102 +165,6 @@ def _gemv_rotary_kernel(
     tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second, second), mask=in_rows)
 
 
-@triton.jit
-def store_rows(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    N,
-    K,
-    stride_w,
-    HAS_BIAS: tl.constexpr,
-    DEPENDENT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """This program's BLOCK_N rows of out = w @ x (+ bias), stored in out's dtype: the matvec
-    of the kernels whose last program then uses the whole row (`arrives_last`)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < N
-    dots, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        dots += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, dots.to(out_ptr.dtype.element_ty), mask=in_rows)
-
-
-@triton.jit
-def arrives_last(arrivals_ptr, programs):
-    """Counts this program in once every thread's stores are done (a barrier, then one
-    acquire-release add: the program that arrives last acquires all programs' stores), and
-    says whether it is the last of `programs`. That one resets the count (`reset_arrivals`)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-    return arrived == programs - 1
-
-
-@triton.jit
-def reset_arrivals(arrivals_ptr):
-    """The count back to zero, for the next launch (`arrival_counter`)."""
-    tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, BLOCK: tl.constexpr):
-    """`fused.rms_norm` with a residual, over the one row `out` that every program of this
-    launch wrote: summed = out + residual, normed = norm(summed), rounded where it rounds.
-    Run by the last program to arrive, BLOCK columns a step (a whole row in one block would
-    hold it in registers the matvec needs); `out` is read past this multiprocessor's L1
-    (".cg"), which may hold none of another program's stores."""
-    cols = tl.arange(0, BLOCK)
-    squares = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, N, BLOCK):
-        inside = start + cols < N
-        out = tl.load(out_ptr + start + cols, mask=inside, other=0.0, cache_modifier=".cg")
-        residual = tl.load(residual_ptr + start + cols, mask=inside, other=0.0)
-        summed = (out.to(tl.float32) + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
-        tl.store(summed_ptr + start + cols, summed, mask=inside)
-        squares += summed.to(tl.float32) * summed.to(tl.float32)
-    inverse_rms = 1.0 / tl.sqrt(tl.sum(squares, 0) / N + eps)
-    tl.debug_barrier()  # the sums each thread stored, visible to every thread of the program
-    for start in range(0, N, BLOCK):
-        inside = start + cols < N
-        summed = tl.load(summed_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
-        weight = tl.load(norm_weight_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
-        normed = (summed * inverse_rms).to(normed_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(normed_ptr + start + cols, (weight * normed).to(normed_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _gemv_norm_kernel(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    normed_ptr,
-    summed_ptr,
-    arrivals_ptr,
-    N,
-    K,
-    stride_w,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    DEPENDENT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """`_gemv_kernel`'s rows of out = w @ x (+ bias); the last program to finish then adds the
-    residual and normalises the whole row (`residual_norm_tail`), and sets `arrivals` back to
-    zero."""
-    store_rows(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS, DEPENDENT, BLOCK_N, BLOCK_K)
-    if arrives_last(arrivals_ptr, tl.num_programs(0)):
-        residual_norm_tail(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, N, eps, NORM_BLOCK)
-        reset_arrivals(arrivals_ptr)
-
-
 MATVEC_CONFIGS = [
     triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
     # The best of a wide sweep on the H200 for every Llama-3-8B shape, then (on an H100) for
@@ -274,7 +175,6 @@ MATVEC_CONFIGS = [
 _tuned_gemv_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_kernel)
 _tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH", "K"])(_gemv_silu_and_mul_kernel)
 _tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K"])(_gemv_rotary_kernel)
-_tuned_norm_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_norm_kernel)
 
 
 def gemv(
@@ -331,67 +231,6 @@ def gemv_rotary(
     return out
 
 
-def gemv_then_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    norm: ResidualNorm,
-    bias: torch.Tensor | None = None,
-    config: triton.Config | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm.apply(x @ weight.T (+ bias))` for x [1, K] in one launch: (the normalised sum, the
-    sum). The matvec's last program to finish runs the norm, where a second launch ran it (a
-    decode step's output projection, then the norm after attention)."""
-    n, k = _check_operands(x, weight)
-    tail = NormTail.of(norm, x, n)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    # Without a bias the kernel never reads its pointer; `out` stands in.
-    args = (
-        x.contiguous(),
-        weight,
-        out if bias is None else bias,
-        out,
-        *tail.pointers,
-        n,
-        k,
-        weight.stride(0),
-        norm.eps,
-    )
-    launch_rows(_gemv_norm_kernel, _tuned_norm_kernel, n, config, args, HAS_BIAS=bias is not None, **tail.constants)
-    return tail.normed, tail.summed
-
-
-@dataclass(frozen=True)
-class NormTail:
-    """What a kernel that ends in `residual_norm_tail` takes for a `ResidualNorm` of one row
-    of `width`: its pointers (the residual, the norm's weight, the two outputs, the arrival
-    counter) and constants, and the outputs it fills."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    normed: torch.Tensor
-    summed: torch.Tensor
-    arrivals: torch.Tensor
-    eps: float
-
-    @classmethod
-    def of(cls, norm: ResidualNorm, like: torch.Tensor, width: int) -> NormTail:
-        if norm.residual.shape != (1, width) or norm.weight.shape != (width,):
-            raise ValueError(
-                f"a norm after a one-row kernel takes a residual [1, {width}] and a norm weight [{width}]; "
-                f"got {tuple(norm.residual.shape)}, {tuple(norm.weight.shape)}"
-            )
-        normed, summed = (torch.empty((1, width), dtype=like.dtype, device=like.device) for _ in range(2))
-        return cls(norm.residual.contiguous(), norm.weight, normed, summed, arrival_counter(like.device), norm.eps)
-
-    @property
-    def pointers(self) -> tuple[torch.Tensor, ...]:
-        return self.residual, self.weight, self.normed, self.summed, self.arrivals
-
-    @property
-    def constants(self) -> dict[str, int]:
-        return {"NORM_BLOCK": min(NORM_BLOCK, triton.next_power_of_2(self.residual.shape[1]))}
-
-
 def launch_rows(kernel, tuned_kernel, units: int, config: triton.Config | None, args: tuple, **constants) -> None:
     """`units` outputs (rows, or row pairs), BLOCK_N per program: the autotuned kernel, or the
     plain one with `config`. Launched as dependent where the GPU allows (dependent_launch)."""
@@ -400,23 +239,6 @@ def launch_rows(kernel, tuned_kernel, units: int, config: triton.Config | None, 
         tuned_kernel[lambda meta: (triton.cdiv(units, meta["BLOCK_N"]),)](*args, **constants)
     else:
         kernel[(triton.cdiv(units, config.kwargs["BLOCK_N"]),)](*args, **constants, **config.all_kwargs())
-
-
-# One arrival counter per device, zero between launches: each launch of a kernel that counts
-# its programs in (`_gemv_norm_kernel`, fused_moe's router) sets it back to zero at its end.
-# Launches on one device run one after another in stream order, and a dependent launch counts
-# only after `wait_for_inputs`, so two launches never count at once.
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counter(device: torch.device) -> torch.Tensor:
-    counter = _arrivals.get(device)
-    if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Made inside a capture, its zeroing would run at replay only, not before.
-            raise RuntimeError("a kernel that counts arrivals must first run before graph capture (a warm-up forward)")
-        counter = _arrivals[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:

@@ -144,13 +144,6 @@ class RowParallelLinear(Linear):
         out = self.parallel.all_reduce(ops.linear(x, self.weight, use_gemv=self.use_gemv))
         return out if self.bias is None else out + self.bias
 
-    def then_norm(self, x: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm.apply(self(x))`: (the normalised sum, the sum), in the matvec's launch where
-        this rank holds the whole sum (one rank: no all-reduce between)."""
-        if self.parallel.size == 1:
-            return ops.linear_then_norm(x, self.weight, norm, self.bias, self.use_gemv)
-        return norm.apply(self(x))
-
 
 class FusedColumnLinear(ColumnParallelLinear):
     """A column-parallel layer whose checkpoint holds every part in one tensor, each whole,

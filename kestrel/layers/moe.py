@@ -200,11 +200,6 @@ class SparseMoe(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mix_experts(hidden, *self.route(hidden))
 
-    def then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm.apply(self(hidden))`: (the normalised sum, the sum); the norm in the experts'
-        last launch where it can be (`mix_experts_then_norm`)."""
-        return self.mix_experts_then_norm(hidden, *self.route(hidden), norm)
-
     def routed_experts(self) -> RoutedExperts:
         return RoutedExperts(self.num_experts, self.top_k, (self.experts.w13.weight, self.experts.w2.weight))
 
@@ -226,19 +221,6 @@ class SparseMoe(nn.Module):
         else:
             out = self.grouped(hidden, weights, experts)
         return self.parallel.all_reduce(out)  # each rank computed its slice of every expert
-
-    def mix_experts_then_norm(
-        self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, norm: ops.ResidualNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm.apply(self.mix_experts(...))`. On CUDA on one rank (no all-reduce between), the
-        fused MoE runs the norm: at one token, in the down matvec's last program."""
-        if self.parallel.size == 1 and ops.runs_kernels(hidden):
-            from kestrel.layers.fused_moe import fused_moe_then_norm
-
-            w13, w2 = self.experts.w13, self.experts.w2
-            scales = (w13.scales, w2.scales)
-            return fused_moe_then_norm(hidden, w13.weight, w2.weight, weights, experts, norm, scales=scales)
-        return norm.apply(self.mix_experts(hidden, weights, experts))
 
     def gathered(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The compiled path (`per_choice`): no host sync, each choice's expert read once."""

@@ -25,10 +25,6 @@ class RMSNorm(nn.Module):
         [tokens, rotary dim] (a partial rotary dim too): one kernel on CUDA."""
         return ops.head_norm_rotary(x, self.effective_weight, self.eps, cos, sin)
 
-    def with_residual(self, residual: torch.Tensor) -> ops.ResidualNorm:
-        """This norm of (x + residual), for the kernel that produces x to run at its end."""
-        return ops.ResidualNorm(residual, self.effective_weight, self.eps)
-
     @property
     def effective_weight(self) -> torch.Tensor:
         """What the normalised values are multiplied by (for kernels that fuse the norm)."""

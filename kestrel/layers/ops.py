@@ -67,36 +67,6 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = 
 
 
 @dataclass(frozen=True)
-class ResidualNorm:
-    """An RMS norm of (x + residual) for the kernel that produces x to run at its end: the
-    residual row it adds, and the norm's weight and eps. `apply` runs it on its own."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-    def apply(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
-        return rms_norm(x, self.weight, self.eps, self.residual)
-
-
-def linear_then_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | PackedWeight,
-    norm: ResidualNorm,
-    bias: torch.Tensor | None = None,
-    use_gemv: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm.apply(x @ weight.T (+ bias))`: (the normalised sum, the sum). One kernel where a
-    one-row linear takes the Triton matvec (its last program runs the norm)."""
-    if not isinstance(weight, PackedWeight) and takes_gemv(x, use_gemv):
-        from kestrel.layers import gemv
-
-        return gemv.gemv_then_norm(x, weight, norm, bias)
-    return norm.apply(linear(x, weight, bias, use_gemv))
-
-
-@dataclass(frozen=True)
 class HeadRotation:
     """The rotary embedding of a projection's first `heads` heads of `head_dim` columns (a
     qkv projection's query and key heads): cos and sin [tokens, rotary_dim]."""

@@ -44,7 +44,6 @@ from kestrel.models.dense import (
     MLP_MAPPINGS,
     DecoderForCausalLM,
     DecoderMLP,
-    ProjectedMixer,
     ResidualBlock,
     attention_layer_spec,
     decoder_bindings,
@@ -183,7 +182,7 @@ class PairedRopeRows(ColumnParallelLinear):
         super().load_shard(param, tensor, shard_id)
 
 
-class MlaAttention(ProjectedMixer):
+class MlaAttention(nn.Module):
     def __init__(self, spec: DeepseekSpec, index: int, parallel: TensorParallel) -> None:
         super().__init__()
         mla = spec.mla
@@ -222,7 +221,7 @@ class MlaAttention(ProjectedMixer):
             return self.q_proj(hidden)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
 
-    def attend(
+    def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
         mla, tokens = self.mla, hidden.shape[0]
@@ -233,7 +232,7 @@ class MlaAttention(ProjectedMixer):
         key_up, value_up = self._up_projections()
         absorbed = ops.absorb_query(query, key_up, cos, sin)
         attended = context.attend(self.layer_index, absorbed, key, key[..., : mla.kv_lora_rank], self.layer_spec)
-        return ops.latent_values(attended, value_up)
+        return self.o_proj(ops.latent_values(attended, value_up))
 
 
 class DeepseekDecoderLayer(ResidualBlock):
@@ -242,11 +241,10 @@ class DeepseekDecoderLayer(ResidualBlock):
         self.self_attn = MlaAttention(spec, index, parallel)
         self.mlp = DeepseekMoe(spec, parallel) if spec.is_moe_layer(index) else DecoderMLP(spec, parallel)
 
-    def token_mixer(self) -> nn.Module:
-        return self.self_attn
-
-    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp.then_norm(hidden, norm)
+    def mix(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        return self.self_attn(hidden, rotary, context)
 
 
 def _softmax_scale(hf_config: object, query_dim: int) -> float:

@@ -62,27 +62,7 @@ def column_linear(spec: DecoderSpec) -> type[ColumnParallelLinear]:
     return FusedColumnLinear if spec.fused_projections else ColumnParallelLinear
 
 
-class ProjectedMixer(nn.Module):
-    """A token mixer (attention, linear attention) that ends in a row-parallel output
-    projection: `attend` computes what the projection reads. Split so that the block can run
-    the norm after the mixer inside the projection (`ResidualBlock.mix_then_norm`)."""
-
-    def attend(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
-    ) -> torch.Tensor:
-        raise NotImplementedError
-
-    @property
-    def output_projection(self) -> RowParallelLinear:
-        return self.o_proj
-
-    def forward(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
-    ) -> torch.Tensor:
-        return self.output_projection(self.attend(hidden, rotary, context))
-
-
-class DecoderAttention(ProjectedMixer):
+class DecoderAttention(nn.Module):
     def __init__(
         self, spec: DecoderSpec, layer_index: int, parallel: TensorParallel, norm: type[RMSNorm] = RMSNorm
     ) -> None:
@@ -96,10 +76,9 @@ class DecoderAttention(ProjectedMixer):
         self.k_norm = norm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.sinks: torch.Tensor | None = None  # per query head, where the family has them (GPT-OSS)
 
-    def attend(
+    def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
-        """The attended values [tokens, heads x head_dim], before the output projection."""
         spec = self.layer_spec
         tokens = hidden.shape[0]
         cos, sin = rotary
@@ -125,7 +104,7 @@ class DecoderAttention(ProjectedMixer):
             )
         value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
         attended = context.attend(self.layer_index, query, key, value, spec, sinks=self.sinks)
-        return attended.reshape(tokens, spec.num_heads * spec.head_dim)
+        return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim))
 
 
 class DecoderMLP(nn.Module):
@@ -141,56 +120,27 @@ class DecoderMLP(nn.Module):
         self.fused_silu = spec.hidden_act == "silu"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activated(hidden))
-
-    def then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm.apply(self(hidden))`, the norm in the down projection's matvec at one row."""
-        return self.down_proj.then_norm(self.activated(hidden), norm)
-
-    def activated(self, hidden: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up: what the down projection reads."""
         if self.fused_silu:
             gate_up = self.gate_up_proj
-            return ops.linear_silu_and_mul(hidden, gate_up.weight, gate_up.use_gemv)
+            return self.down_proj(ops.linear_silu_and_mul(hidden, gate_up.weight, gate_up.use_gemv))
         gate_up = self.gate_up_proj(hidden)
         gate, up = self.gate_up_proj.split(gate_up)
-        return self.act(gate.contiguous()).mul_(up)
+        return self.down_proj(self.act(gate.contiguous()).mul_(up))
 
 
 class ResidualBlock(nn.Module):
     """norm -> token mixer -> norm -> MLP, with the residual stream carried between layers.
-    A subclass provides the mixer (`token_mixer`) and the MLP."""
+    A subclass provides the mixer (`mix`) and the MLP."""
 
     def __init__(self, spec: DecoderSpec, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
 
-    def token_mixer(self) -> nn.Module:
-        """This layer's mixer, called as mixer(hidden, rotary, context)."""
+    def mix(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
         raise NotImplementedError
-
-    def mix_then_norm(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        context: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post-attention norm of the mixer's output plus the residual: (normed, the sum).
-        A mixer that ends in an output projection runs the norm inside it (at one row, in the
-        matvec's last program), where the norm took a launch of its own."""
-        mixer, norm = self.token_mixer(), self.post_attention_layernorm
-        if isinstance(mixer, ProjectedMixer):
-            attended = mixer.attend(hidden, rotary, context)
-            return mixer.output_projection.then_norm(attended, norm.with_residual(residual))
-        return norm(mixer(hidden, rotary, context), residual)
-
-    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm` (the next layer's input norm, or the model's last) of the MLP's output plus
-        the residual: (normed, the sum). A subclass whose MLP can run the norm in its last
-        launch hands it over."""
-        return norm.apply(self.mlp(hidden))
 
     def forward(
         self,
@@ -207,22 +157,9 @@ class ResidualBlock(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.mix_then_norm(hidden, residual, rotary, context)
+        hidden = self.mix(hidden, rotary, context)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def step(
-        self,
-        normed: torch.Tensor,
-        residual: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        context: ForwardContext,
-        next_norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with the norms shifted by one: takes this layer's input already normalised
-        and returns the next one's, `next_norm` of (MLP output + residual), with the residual
-        stream. So the MLP's last launch may run that norm, as the mixer's runs the one after it."""
-        hidden, residual = self.mix_then_norm(normed, residual, rotary, context)
-        return self.mlp_then_norm(hidden, next_norm.with_residual(residual))
 
 
 class DecoderLayer(ResidualBlock):
@@ -234,11 +171,10 @@ class DecoderLayer(ResidualBlock):
         else:
             self.mlp = DecoderMLP(spec, parallel)
 
-    def token_mixer(self) -> nn.Module:
-        return self.self_attn
-
-    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp.then_norm(hidden, norm)
+    def mix(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        return self.self_attn(hidden, rotary, context)
 
 
 class DecoderModel(nn.Module):
@@ -278,14 +214,10 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.rotary_dim, hidden.dtype)
-        # Each layer runs the next one's input norm (the last, the model's), so that its MLP's
-        # last launch may: the first layer's input norm comes first.
-        layers = self.model.layers
-        residual, normed = hidden, layers[0].input_layernorm(hidden)
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        for layer, next_norm in zip(layers, next_norms, strict=True):
-            normed, residual = layer.step(normed, residual, rotary, context, next_norm)
-        return normed
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, rotary, context)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.parallel.all_gather_columns(ops.linear(hidden, self.matvec_weight, use_gemv=self.use_gemv))

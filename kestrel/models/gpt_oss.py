@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import WeightBindings, copy_whole
 from kestrel.layers import ops
@@ -162,8 +163,10 @@ class GptOssDecoderLayer(ResidualBlock):
         self.self_attn = GptOssAttention(spec, index, parallel)
         self.mlp = GptOssMoe(spec, parallel)
 
-    def token_mixer(self) -> nn.Module:
-        return self.self_attn
+    def mix(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+    ) -> torch.Tensor:
+        return self.self_attn(hidden, rotary, context)
 
 
 class GptOssRecipe(DenseDecoderRecipe):

@@ -40,7 +40,6 @@ from kestrel.layers.norm import OffsetRMSNorm, RMSNorm
 from kestrel.models.dense import (
     DecoderForCausalLM,
     DecoderMLP,
-    ProjectedMixer,
     ResidualBlock,
     attention_layer_spec,
     attention_shards,
@@ -164,7 +163,7 @@ class DeltaNetConv(nn.Module):
         copy_into(param.data, self.shard.qkv_rows(tensor, "conv1d"), "conv1d")
 
 
-class GatedDeltaNet(ProjectedMixer):
+class GatedDeltaNet(nn.Module):
     def __init__(self, spec: DecoderSpec, state_index: int, parallel: TensorParallel) -> None:
         super().__init__()
         self.shard = DeltaNetShard.of(spec.linear_attention, parallel)
@@ -184,11 +183,7 @@ class GatedDeltaNet(ProjectedMixer):
         """dt_bias and A_log: one value per value head."""
         copy_into(param.data, self.shard.value_rows(tensor, 1, "per-head parameter"), "per-head parameter")
 
-    @property
-    def output_projection(self) -> RowParallelLinear:
-        return self.out_proj
-
-    def attend(
+    def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
         mixed, gate, b, a = self.in_proj.split(self.in_proj(hidden))
@@ -196,7 +191,7 @@ class GatedDeltaNet(ProjectedMixer):
         mix = self.mix_with_kernels if ops.runs_kernels(hidden) else self.mix_with_torch
         out = mix(mixed, a, b, state, meta)
         out = self.norm(out, gate.reshape(out.shape))
-        return out.reshape(hidden.shape[0], self.linear.value_size)
+        return self.out_proj(out.reshape(hidden.shape[0], self.linear.value_size))
 
     def mix_with_kernels(
         self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state: RecurrentLayerState, meta: RecurrentMetadata
@@ -359,7 +354,7 @@ def _zero_unless(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view(-1, *([1] * (states.dim() - 1))), states, states.new_zeros(()))
 
 
-class GatedAttention(ProjectedMixer):
+class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate, Gemma-style q/k norms and partial rotary."""
 
     def __init__(self, spec: DecoderSpec, kv_index: int, parallel: TensorParallel) -> None:
@@ -372,7 +367,7 @@ class GatedAttention(ProjectedMixer):
         self.q_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(spec.head_dim, spec.rms_norm_eps)
 
-    def attend(
+    def forward(
         self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
         spec, tokens = self.layer_spec, hidden.shape[0]
@@ -384,7 +379,7 @@ class GatedAttention(ProjectedMixer):
         value = value.reshape(tokens, spec.num_kv_heads, spec.head_dim)
         attended = context.attend(self.kv_index, query, key, value, spec)
         gated = ops.sigmoid_gate(attended.reshape(tokens, spec.num_heads, spec.head_dim), gate)
-        return gated.view(tokens, -1)
+        return self.o_proj(gated.view(tokens, -1))
 
 
 class SharedExpertMoe(SparseMoe):
@@ -417,14 +412,6 @@ class SharedExpertMoe(SparseMoe):
             return mixed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
         return self.mix_experts(hidden, *self.pick(routed, hidden.dtype, shared_logits))
 
-    def then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm.apply(self(hidden))`; with the shared expert stacked, at one row, the norm runs
-        in the experts' last launch."""
-        if self.num_stacked > self.num_experts and ops.takes_gemv(hidden, self.gate.use_gemv):
-            choices = self.route_in_matvec(hidden, self.gate.weight, gated_shared=1)
-            return self.mix_experts_then_norm(hidden, *choices, norm)
-        return norm.apply(self(hidden))
-
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,11 +436,9 @@ class HybridDecoderLayer(ResidualBlock):
         else:
             self.mlp = DecoderMLP(spec, parallel)
 
-    def token_mixer(self) -> nn.Module:
-        return self.linear_attn if self.is_linear else self.self_attn
-
-    def mlp_then_norm(self, hidden: torch.Tensor, norm: ops.ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp.then_norm(hidden, norm)
+    def mix(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext):
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        return mixer(hidden, rotary, context)
 
 
 class HybridForCausalLM(DecoderForCausalLM):

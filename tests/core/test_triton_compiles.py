@@ -64,13 +64,6 @@ CASES = {
         BF16_ROW | {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
         dict(HAS_BIAS=False, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
-    "gemv_then_norm": (  # an output projection whose last program runs the norm after attention
-        gemv._gemv_norm_kernel,
-        BF16_ROW
-        | {"residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "normed_ptr": "*bf16", "summed_ptr": "*bf16"}
-        | {"arrivals_ptr": "*i32", "eps": "fp32"},
-        dict(HAS_BIAS=False, NORM_BLOCK=4096, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
-    ),
     "int4_gemv": (  # a 4096-wide bf16 projection's codes, widened in registers
         int4_matmul.int4_gemv_kernel,
         BF16_ROW | {"codes_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16"},
@@ -242,23 +235,15 @@ CASES = {
             "weights_ptr": "*bf16",
             "out_ptr": "*bf16",
         },
-        dict(WIDTH=11, CHOICES=16, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2)
-        | dict(BLOCK_K=256, NORM=False, NORM_BLOCK=1),
-    ),
-    "moe_expert_down_sum_then_norm": (  # one token: the last program runs the next layer's input norm
-        fused_moe._expert_down_sum_kernel,
-        {"activated_ptr": "*bf16", "w2_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16"}
-        | {"out_ptr": "*bf16", "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "normed_ptr": "*bf16"}
-        | {"summed_ptr": "*bf16", "arrivals_ptr": "*i32", "eps": "fp32"},
-        dict(WIDTH=8, CHOICES=8, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2)
-        | dict(BLOCK_K=256, NORM=True, NORM_BLOCK=1024),
+        dict(
+            WIDTH=11, CHOICES=16, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=256
+        ),
     ),
     "moe_expert_down_sum_float8": (
         fused_moe._expert_down_sum_kernel,
         {"activated_ptr": "*bf16", "w2_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32"}
         | {"weights_ptr": "*bf16", "out_ptr": "*bf16", "bias_ptr": "*bf16"},
-        dict(WIDTH=8, CHOICES=8, HAS_SCALE=True, HAS_BIAS=True, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2)
-        | dict(BLOCK_K=256, NORM=False, NORM_BLOCK=1),
+        dict(WIDTH=8, CHOICES=8, HAS_SCALE=True, HAS_BIAS=True, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=256),
     ),
     "head_norm_partial_rotary": (  # Qwen3-Next: 64 of 256 columns rotated, a float32 folded weight
         fused._head_norm_rotary_kernel,

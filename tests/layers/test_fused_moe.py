@@ -166,35 +166,6 @@ def test_expert_matvecs_sum_each_tokens_experts_as_the_torch_path(launches):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("launches", [None, (MatvecLaunch(4, 16), MatvecLaunch(1, 8))])
-def test_expert_matvecs_then_norm_are_the_matvecs_then_the_residual_norm(launches):
-    """One token: the down matvec's last program to arrive adds the residual and normalises
-    the row (40 columns, 20 or 40 programs), the same bits as the norm's own kernel; and
-    leaves the count at zero (asserted by calling again; on a GPU, where programs race, often).
-    A second token is refused: the norm runs after one token's experts."""
-    from kestrel.layers import fused
-    from kestrel.layers.fused_moe import expert_matvecs_then_norm
-    from kestrel.layers.ops import ResidualNorm
-
-    torch.manual_seed(3)
-    moe = SparseMoe(40, 36, 5, 2, True, num_stacked=6).to(DEVICE)
-    for param in moe.parameters():
-        param.data.normal_(0, 0.2)
-    w13, w2 = moe.experts.w13.weight, moe.experts.w2.weight
-    hidden = torch.randn(1, 40, device=DEVICE)
-    experts = torch.tensor([[3, 0, 5]], device=DEVICE)
-    weights = torch.rand(1, 3, device=DEVICE)
-    norm = ResidualNorm(torch.randn(1, 40, device=DEVICE), torch.rand(40, device=DEVICE) + 0.5, 1e-6)
-    summed_alone = expert_matvecs(hidden, w13, w2, weights, experts, launches)
-    expected_normed, expected_summed = fused.rms_norm(summed_alone, norm.weight, norm.eps, norm.residual)
-    for _ in range(50 if DEVICE == "cuda" else 2):
-        normed, summed = expert_matvecs_then_norm(hidden, w13, w2, weights, experts, norm, launches)
-        assert torch.equal(summed, expected_summed)
-        torch.testing.assert_close(normed, expected_normed, atol=1e-6 if DEVICE == "cpu" else 1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="one token; got 2"):
-        expert_matvecs_then_norm(hidden.repeat(2, 1), w13, w2, weights.repeat(2, 1), experts.repeat(2, 1), norm)
-
-
 def test_pipeline_stages_shrink_to_fit_shared_memory():
     """Hopper's 227 KB: float32 tiles of the gate-and-up matmul (two weight tiles a stage) need
     fewer stages than the bf16 table gives; bf16 keeps its stages."""

@@ -128,36 +128,3 @@ def test_timing_rotates_over_copies_that_outgrow_the_cache_unless_the_weight_alr
     large = torch.empty(gemv._TIMED_BYTES // 4 + 1, dtype=torch.float32)  # past the timed bytes alone
     (only,) = gemv._weights_beyond_cache(large)
     assert only is large
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize(("n", "k", "block_n", "block_k"), [(48, 160, 16, 64), (37, 100, 8, 32), (2100, 64, 512, 64)])
-def test_gemv_then_norm_is_the_linear_then_the_residual_norm(dtype, with_bias, n, k, block_n, block_k):
-    """Whichever program arrives last runs the norm over the row every program wrote (2,100
-    columns: three steps of its loop), and leaves the count at zero for the next call
-    (asserted by calling it again; on a GPU, where programs race, many times)."""
-    torch.manual_seed(n + k)
-    x = torch.randn(1, k, device=DEVICE).to(dtype)
-    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
-    residual = torch.randn(1, n, device=DEVICE).to(dtype)
-    norm_weight = torch.rand(n, device=DEVICE).to(dtype) + 0.5
-    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
-    config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k})
-    # The same bits as the two kernels it replaces, run with the same launch.
-    projected = gemv.gemv(x, weight, bias, config=config)
-    expected_normed, expected_summed = fused.rms_norm(projected, norm_weight, 1e-6, residual)
-    for _ in range(50 if DEVICE == "cuda" else 2):
-        norm = ops.ResidualNorm(residual, norm_weight, 1e-6)
-        normed, summed = gemv.gemv_then_norm(x, weight, norm, bias, config=config)
-        assert torch.equal(summed, expected_summed)
-        if DEVICE == "cpu" and n <= gemv.NORM_BLOCK:  # the squares summed in one block, as there
-            assert torch.equal(normed, expected_normed)
-        else:  # summed in another order (in steps, or by the matvec's warps): to the last bit
-            torch.testing.assert_close(normed, expected_normed, atol=1e-2, rtol=1e-2)
-
-
-def test_gemv_then_norm_refuses_a_residual_of_another_width():
-    norm = ops.ResidualNorm(torch.zeros(1, 6, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6)
-    with pytest.raises(ValueError, match="residual \\[1, 8\\]"):
-        gemv.gemv_then_norm(torch.zeros(1, 4, device=DEVICE), torch.zeros(8, 4, device=DEVICE), norm)
