@@ -9,8 +9,6 @@ whole key blocks read in a loop of their own, unmasked (WHOLE_BLOCKS). `--float8
 sweeps the float8 pool alone over deeper pipelines (its tiles take half the shared memory),
 fewer warps (one warp holds a whole tile: no exchange between warps in each block) and both
 loop shapes.
-`--keys-major` sweeps the float8 pool's launch with the key blocks as the dots' rows
-(KEYS_MAJOR) against the default.
 `--prefill` times the prefill kernel instead: `--prefill-seqs` fresh prompts of `--context`
 tokens (causal), in TFLOP/s, over query blocks, key blocks, warps and stages.
 """
@@ -57,7 +55,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--float8-stages", action="store_true")
-    parser.add_argument("--keys-major", action="store_true", help="float8 pool: the keys as the dots' rows, swept")
     parser.add_argument("--pool-pages", type=int, default=None, help="pool size in pages (default: the batch's)")
     parser.add_argument("--interleaved", action="store_true", help="pages as an engine hands them out")
     parser.add_argument("--prefill", action="store_true")
@@ -83,12 +80,6 @@ def main() -> None:
             for s in (2, 3, 4)
             for n in (64, 128)
             for whole in (False, True)
-        ]
-    if args.keys_major:  # against the default launch, in the same run
-        dtypes, splits_tried = (torch.float8_e4m3fn,), (None,)
-        launches = [{}] + [
-            {"KEYS_MAJOR": True, "num_warps": w, "num_stages": s, "BLOCK_N": n}
-            for w, s, n in [(4, 1, 128), (4, 2, 128), (4, 3, 128), (8, 2, 128), (8, 3, 128), (4, 2, 64)]
         ]
     for dtype in dtypes:
         kv, meta = pool(dtype, args.batch, args.context, args.pool_pages, args.interleaved)

@@ -40,7 +40,6 @@ MOE_GROUPING |= {"counts_ptr": "*i32"}
 RECURRENT_STEP = {"query_start_ptr": "*i32", "slots_ptr": "*i64", "read_slots_ptr": "*i64", "save_slots_ptr": "*i64"}
 RECURRENT_STEP |= {"has_state_ptr": "*i1"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32", HAS_SINKS=False)
-DECODE |= dict(KEYS_MAJOR=False)
 
 MOE_ROUTE = {
     "logits_ptr": "*bf16",
@@ -111,13 +110,6 @@ CASES = {
         attention.decode_kernel,
         ATTENTION | FLOAT8_POOL,
         DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, WHOLE_BLOCKS=False, DEPENDENT=True),
-    ),
-    "decode_float8_keys_major": (  # decode_launch's large batch, the key blocks as the dots' rows
-        attention.decode_kernel,
-        ATTENTION | FLOAT8_POOL,
-        DECODE
-        | dict(BLOCK_N=128, SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, WHOLE_BLOCKS=False)
-        | dict(DEPENDENT=True, KEYS_MAJOR=True),
     ),
     "decode_split_bf16": (
         attention.decode_kernel,
@@ -333,14 +325,6 @@ def test_kernel_compiles_for_hopper(name, compiled_cases):
     assert shared <= HOPPER_SHARED_MEMORY
     # A kernel launched as dependent waits for the one before it (dependent_launch.py).
     assert ("griddepcontrol.wait" in ptx) == CASES[name][2].get("DEPENDENT", False)
-
-
-def test_keys_major_decode_takes_both_dots_on_warpgroup_tensor_cores(compiled_cases):
-    """What KEYS_MAJOR is for: with a key block as the dots' wide side, Hopper's warpgroup
-    dots (64-row tiles) take both; the default's 16 padded query rows go to mma.sync."""
-    ptx = compiled_cases["decode_float8_keys_major"]["ptx"]
-    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
-    assert "mma.sync" in compiled_cases["decode_float8"]["ptx"]
 
 
 def test_float8_decode_reads_shared_memory_in_vectors(compiled_cases):

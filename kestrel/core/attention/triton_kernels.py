@@ -120,27 +120,16 @@ def _load_values_by_slot(value_cache_ptr, page_starts, in_page, dims, mask, PAGE
 
 
 @triton.jit
-def _softmax_step(scores, row_max, row_sum, KEYS_AXIS: tl.constexpr = 1):
-    """One online-softmax step over `scores` [rows, keys] (or [keys, rows], KEYS_AXIS 0), in
-    base 2 (scores carry the factor log2(e)): the weights, the factor that rescales what was
-    accumulated before, and the new running max and sum."""
-    new_max = tl.maximum(row_max, tl.max(scores, KEYS_AXIS))
+def _softmax_step(scores, row_max, row_sum):
+    """One online-softmax step over `scores` [rows, keys], in base 2 (scores carry the
+    factor log2(e)): the weights, the factor that rescales what was accumulated before,
+    and the new running max and sum."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
     # Rows that have seen nothing visible yet keep a max of -inf; subtract 0 there, not -inf.
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = tl.exp2(row_max - safe_max)
-    weights = tl.exp2(scores - tl.expand_dims(safe_max, KEYS_AXIS))
-    return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, KEYS_AXIS)
-
-
-@triton.jit
-def _visible(key_positions, query_positions, in_sequence, window, chunk):
-    """Whether each query sees each key, for operands that broadcast against each other
-    ([rows, 1] against [1, keys], or the transpose): keys inside the sequence, causally,
-    within `window` (0: no window) and within the query's own `chunk` of positions (0: none)."""
-    causal = key_positions <= query_positions
-    in_window = (window == 0) | (key_positions > query_positions - window)
-    chunk_start = query_positions // tl.maximum(chunk, 1) * chunk  # 0 without chunks
-    return causal & in_window & (key_positions >= chunk_start) & in_sequence
+    weights = tl.exp2(scores - safe_max[:, None])
+    return weights, rescale, new_max, row_sum * rescale + tl.sum(weights, 1)
 
 
 @triton.jit
@@ -170,20 +159,13 @@ def _attend_range(
     PRECISION: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
     MASKED: tl.constexpr,
-    KEYS_MAJOR: tl.constexpr = False,
 ):
     """Online-softmax updates of `acc` with the key blocks from `first` to `stop`, which
     may span several pages (looked up in the sequence's page-table row). Rows are queries
     at `query_positions`, seeing keys before `end`, causally, within `window` (0: no
     window) and within their own `chunk` of positions (0: no chunks). Unless MASKED, every
     key of every block is visible to every row: no masks, which cost as many instructions
-    per block as the dots' own work.
-
-    KEYS_MAJOR (values stored slot-minor): the key blocks are the dots' rows, scores^T =
-    K Q^T and acc^T += V^T P^T, with `query` and `acc` given transposed ([BLOCK_D, rows]). A
-    key block is then the wide side of both dots, which Hopper's warpgroup tensor cores take
-    (64-row tiles) straight from the registers it was widened in, the query the narrow one;
-    a slot-minor value tile is V^T as loaded."""
+    per block as the dots' own work."""
     dims = tl.arange(0, BLOCK_D)
     in_dim = (dims < HEAD_DIM)[None, :]
     for block_start in range(first, stop, BLOCK_N):
@@ -203,23 +185,16 @@ def _attend_range(
         else:
             values = tl.load(value_cache_ptr + offsets, mask=key_mask, other=0.0)
         values = values.to(query.dtype)
-        if KEYS_MAJOR:
-            scores = tl.dot(keys, query, input_precision=PRECISION).to(tl.float32) * scale
-            if MASKED:
-                visible = _visible(positions[:, None], query_positions[None, :], in_sequence[:, None], window, chunk)
-                scores = tl.where(visible, scores, float("-inf"))
-            weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, 0)
-            acc = acc * rescale[None, :]
-            values_t = tl.trans(values)
-            acc += tl.dot(values_t, weights.to(values.dtype), input_precision=PRECISION).to(tl.float32)
-        else:
-            scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
-            if MASKED:
-                visible = _visible(positions[None, :], query_positions[:, None], in_sequence[None, :], window, chunk)
-                scores = tl.where(visible, scores, float("-inf"))
-            weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
-            acc = acc * rescale[:, None]
-            acc += tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION).to(tl.float32) * scale
+        if MASKED:
+            causal = positions[None, :] <= query_positions[:, None]
+            in_window = (window == 0) | (positions[None, :] > query_positions[:, None] - window)
+            chunk_start = query_positions // tl.maximum(chunk, 1) * chunk  # 0 without chunks
+            in_chunk = positions[None, :] >= chunk_start[:, None]
+            scores = tl.where(causal & in_window & in_chunk & in_sequence[None, :], scores, float("-inf"))
+        weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
+        acc = acc * rescale[:, None]
+        acc += tl.dot(weights.to(values.dtype), values, input_precision=PRECISION).to(tl.float32)
     return acc, row_max, row_sum
 
 
@@ -264,10 +239,8 @@ def decode_kernel(
     WHOLE_BLOCKS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DEPENDENT: tl.constexpr,
-    KEYS_MAJOR: tl.constexpr,
 ):
-    """KEYS_MAJOR: the key blocks as the dots' rows (`_attend_range`; values stored
-    slot-minor). `sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
+    """`sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
     counted by the first split alone, so that combining the splits counts it once."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
@@ -310,8 +283,6 @@ def decode_kernel(
         whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N  # an empty split: none
         whole_end = tl.where((window == 0) & (chunk == 0), begin + whole_blocks * BLOCK_N, begin)
     query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
-    if KEYS_MAJOR:  # the dots take the query and the accumulator transposed
-        query, acc = tl.trans(query), tl.trans(acc)
     for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
         acc, row_max, row_sum = _attend_range(
             whole_end if masked else begin,
@@ -339,10 +310,7 @@ def decode_kernel(
             PRECISION,
             VALUES_BY_SLOT,
             masked == 1,
-            KEYS_MAJOR,
         )
-    if KEYS_MAJOR:
-        acc = tl.trans(acc)
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
     out = acc / seen[:, None]
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining

@@ -150,8 +150,6 @@ def decode_attention(
     partials come from `workspace` (reserved by `TritonPagedBackend.allocate`), else are
     allocated for this call. `launch` (num_warps, num_stages, BLOCK_N) overrides the
     defaults, for sweeps."""
-    if launch.get("KEYS_MAJOR") and not cache.values_by_slot:
-        raise ValueError("KEYS_MAJOR decode reads values stored slot-minor (a float8 pool's layout)")
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
@@ -168,7 +166,6 @@ def decode_attention(
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
         VALUES_BY_SLOT=cache.values_by_slot,
         HAS_SINKS=sinks is not None,
-        KEYS_MAJOR=False,
         **dependent_launch_args(query.device),
     )
     constants.update(decode_launch(cache, layer.head_dim, splits))
