@@ -84,3 +84,19 @@ def test_4bit_weights_take_the_kernels_that_multiply_by_their_dequantized_values
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
         for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
+def test_one_row_steps_fold_each_norm_into_the_matvecs_that_read_it(family, checkpoint_dir):
+    """The comparison above runs these models' one-row decode steps folded: each layer's
+    norms inside the matvecs that read them, its residual adds inside those that write the
+    sum (DecoderLayer.forward_folded). Asserted here, so that the comparison cannot pass by
+    never folding; a step of two rows does not fold."""
+    from kestrel.models.dense import DecoderLayer
+
+    with kernels_on_cpu():
+        llm = LLM(str(checkpoint_dir(family)), **OPTIONS)
+        layers = [m for m in llm.engine.parts.runner.model.modules() if isinstance(m, DecoderLayer)]
+        hidden_size = layers[0].input_layernorm.weight.shape[0]
+        assert all(layer.folds(torch.zeros(1, hidden_size)) for layer in layers)
+        assert not any(layer.folds(torch.zeros(2, hidden_size)) for layer in layers)

@@ -17,6 +17,12 @@ reads the gate row and the up row of its outputs and writes silu(gate) * up, so 
 (and one launch) does what a linear and `silu_and_mul` did. `gemv_rotary` is the attention's
 qkv projection with the rotary embedding of its query and key heads: each program reads the
 two rows, d and d + head_dim / 2 of a head, that rotate together.
+
+Each of them may also fold the RMSNorm before it (`ops.RowNorm`): every program normalises
+the row itself as it reads it (`row_dots`; the row is a few KB, read from L2 by every
+program anyway), so the norm costs neither a launch nor a wait. `gemv` may add the residual
+after it, as the norm after it would have. A decoder layer at one row then runs no norm
+kernel at all (DecoderLayer.forward_folded).
 """
 
 from __future__ import annotations
@@ -27,10 +33,35 @@ import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 from kestrel.layers.fused import rotate_half_pair
-from kestrel.layers.ops import HeadRotation
+from kestrel.layers.ops import HeadRotation, RowNorm
 
 TIMING_REPEATS = 20
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _inverse_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """1 / the root mean square of x [K] (plus eps), as fused.rms_norm computes it."""
+    cols = tl.arange(0, BLOCK_K)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+        squares += x * x
+    return 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
+
+
+@triton.jit
+def _input_block(x_ptr, norm_ptr, block, K, inverse_rms, NORMED: tl.constexpr):
+    """x's columns `block` in float32; NORMED, RMS-normalised and weighted by norm [K],
+    rounded where fused.rms_norm rounds (so its output and this agree to the bit, but for
+    the order of the squares' sum)."""
+    x = tl.load(x_ptr + block, mask=block < K, other=0.0)
+    values = x.to(tl.float32)
+    if NORMED:
+        normed = (values * inverse_rms).to(x.dtype).to(tl.float32)
+        weight = tl.load(norm_ptr + block, mask=block < K, other=0.0).to(tl.float32)
+        values = (weight * normed).to(x.dtype).to(tl.float32)
+    return values
 
 
 @triton.jit
@@ -42,14 +73,19 @@ def row_dots(
     K,
     stride_w,
     pair_offset,
+    norm_ptr,
+    eps,
     PAIRED: tl.constexpr,
+    NORMED: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Float32 dots of x [K] with the weight rows `rows` and, PAIRED, with the rows
-    `pair_offset` further on. The first block of weights is requested before waiting for x
-    (which the kernel before this one wrote: dependent_launch); the rest as they come."""
+    `pair_offset` further on; NORMED, of RMSNorm(x) with weight norm [K] and `eps` (every
+    program normalises x itself: the norm costs no launch, nor any program a wait). The
+    first block of weights is requested before waiting for x (which the kernel before this
+    one wrote: dependent_launch); the rest as they come."""
     cols = tl.arange(0, BLOCK_K)
     first_rows = w_ptr + rows[:, None] * stride_w
     paired_rows = first_rows + pair_offset * stride_w
@@ -59,7 +95,10 @@ def row_dots(
     if PAIRED:
         paired_weights = tl.load(paired_rows + cols[None, :], mask=mask, other=0.0)
     wait_for_inputs(DEPENDENT)
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    inverse_rms = 1.0
+    if NORMED:
+        inverse_rms = _inverse_rms(x_ptr, K, eps, BLOCK_K)
+    x = _input_block(x_ptr, norm_ptr, cols, K, inverse_rms, NORMED)
     dots = tl.sum(weights.to(tl.float32) * x[None, :], axis=1)
     paired_dots = dots
     if PAIRED:
@@ -67,7 +106,7 @@ def row_dots(
     for start in range(BLOCK_K, K, BLOCK_K):
         block = start + cols
         mask = in_rows[:, None] & (block < K)[None, :]
-        x = tl.load(x_ptr + block, mask=block < K, other=0.0).to(tl.float32)
+        x = _input_block(x_ptr, norm_ptr, block, K, inverse_rms, NORMED)
         weights = tl.load(first_rows + block[None, :], mask=mask, other=0.0)
         dots += tl.sum(weights.to(tl.float32) * x[None, :], axis=1)
         if PAIRED:
@@ -77,31 +116,50 @@ def row_dots(
 
 
 @triton.jit
+def add_residual(values, residual_ptr, rows, in_rows, dtype: tl.constexpr):
+    """values rounded to `dtype`, plus the residual rows, rounded again: the residual add
+    as fused.rms_norm does it, so a matvec that adds it gives the bits the norm would."""
+    residual = tl.load(residual_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    return (values.to(dtype).to(tl.float32) + residual).to(dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
     out_ptr,
     scale_ptr,
+    norm_ptr,
+    residual_ptr,
     N,
     K,
     stride_w,
+    eps,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    NORMED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[n] = sum_k w[n, k] * x[k] (* scale[n]) (+ bias[n]), float32 accumulation, for
-    BLOCK_N rows per program. With HAS_SCALE the weight is float8 with a scale per row."""
+    """out[n] = sum_k w[n, k] * x[k] (* scale[n]) (+ bias[n]) (+ residual[n]), float32
+    accumulation, for BLOCK_N rows per program. With HAS_SCALE the weight is float8 with a
+    scale per row; NORMED, x is RMS-normalised first (`row_dots`)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    acc, _ = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, False, DEPENDENT, BLOCK_N, BLOCK_K)
+    acc, _ = row_dots(
+        x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, norm_ptr, eps, False, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
+    )
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        out = add_residual(acc, residual_ptr, rows, in_rows, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows, out, mask=in_rows)
 
 
 @triton.jit
@@ -109,17 +167,23 @@ def _gemv_silu_and_mul_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    norm_ptr,
     WIDTH,
     K,
     stride_w,
+    eps,
+    NORMED: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[n] = silu(gate[n]) * up[n], where gate = w[:WIDTH] @ x and up = w[WIDTH:] @ x."""
+    """out[n] = silu(gate[n]) * up[n], where gate = w[:WIDTH] @ x and up = w[WIDTH:] @ x
+    (NORMED: of RMSNorm(x), `row_dots`)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < WIDTH
-    gate, up = row_dots(x_ptr, w_ptr, rows, in_rows, K, stride_w, WIDTH, True, DEPENDENT, BLOCK_N, BLOCK_K)
+    gate, up = row_dots(
+        x_ptr, w_ptr, rows, in_rows, K, stride_w, WIDTH, norm_ptr, eps, True, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
+    )
     # Rounded where the separate linear and activation round, so both paths give the same bits.
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -136,23 +200,29 @@ def _gemv_rotary_kernel(
     out_ptr,
     cos_ptr,
     sin_ptr,
+    norm_ptr,
     PAIRS,
     K,
     stride_w,
     ROTATED_ROWS,
+    eps,
     HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORMED: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """w @ x (+ bias) for the row pairs (d, d + HALF) of each head; pairs in the first
-    ROTATED_ROWS rows are then rotated by cos/sin [1, 2 * HALF] (rotate-half layout)."""
+    """w @ x (+ bias) for the row pairs (d, d + HALF) of each head (NORMED: w @ RMSNorm(x),
+    `row_dots`); pairs in the first ROTATED_ROWS rows are then rotated by cos/sin [1, 2 *
+    HALF] (rotate-half layout)."""
     pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = pairs < PAIRS
     half = pairs % HALF
     first_rows = pairs // HALF * (2 * HALF) + half
-    first, second = row_dots(x_ptr, w_ptr, first_rows, in_rows, K, stride_w, HALF, True, DEPENDENT, BLOCK_N, BLOCK_K)
+    first, second = row_dots(
+        x_ptr, w_ptr, first_rows, in_rows, K, stride_w, HALF, norm_ptr, eps, True, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
+    )
     if HAS_BIAS:
         first += tl.load(bias_ptr + first_rows, mask=in_rows, other=0.0).to(tl.float32)
         second += tl.load(bias_ptr + first_rows + HALF, mask=in_rows, other=0.0).to(tl.float32)
@@ -172,6 +242,9 @@ MATVEC_CONFIGS = [
     # among the first four, 2.69 at four rows of 1024-column blocks (scripts/gemv_bench.py).
     for block_n, block_k, warps in [(1, 4096, 8), (1, 2048, 4), (2, 2048, 8), (2, 1024, 4), (4, 1024, 4), (8, 512, 4)]
 ]
+# Where the kernels run under Triton's interpreter (tests): small blocks, so that rows and
+# columns of the tiny test models span several blocks, ragged ones too.
+INTERPRETER_CONFIG = triton.Config({"BLOCK_N": 4, "BLOCK_K": 64})
 _tuned_gemv_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_kernel)
 _tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH", "K"])(_gemv_silu_and_mul_kernel)
 _tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K"])(_gemv_rotary_kernel)
@@ -183,30 +256,37 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: triton.Config | None = None,
     scale: torch.Tensor | None = None,
+    norm: RowNorm | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N]; with `scale` [N] (float32), each row's
-    dot times its scale (a float8 weight). The launch configuration is autotuned per shape
-    unless given (tests, sweeps)."""
+    dot times its scale (a float8 weight); with `norm`, of norm(x), computed by every program
+    as it reads x; with `residual` [1, N], plus that (rounded as the separate add). The
+    launch configuration is autotuned per shape unless given (tests, sweeps)."""
     n, k = _check_operands(x, weight)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    # Without a bias or a scale the kernel never reads their pointers; `out` stands in.
-    args = (x, weight, out if bias is None else bias, out, out if scale is None else scale, n, k, weight.stride(0))
-    constants = dict(HAS_BIAS=bias is not None, HAS_SCALE=scale is not None)
+    # The kernel never reads the pointers of what is not given; `out` stands in.
+    args = (x, weight, _or(bias, out), out, _or(scale, out), _norm_weight(norm, out), _or(residual, out), n, k)
+    args += (weight.stride(0), _eps(norm))
+    given = dict(HAS_BIAS=bias, HAS_SCALE=scale, NORMED=norm, HAS_RESIDUAL=residual)
+    constants = {name: value is not None for name, value in given.items()}
     launch_rows(_gemv_kernel, _tuned_gemv_kernel, n, config, args, **constants)
     return out
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: triton.Config | None = None) -> torch.Tensor:
-    """silu(gate) * up for x [1, K] and weight [2 * width, K] stacking the gate rows, then the
-    up rows -> [1, width]."""
+def gemv_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, config: triton.Config | None = None, norm: RowNorm | None = None
+) -> torch.Tensor:
+    """silu(gate) * up for x [1, K] (or norm(x)) and weight [2 * width, K] stacking the gate
+    rows, then the up rows -> [1, width]."""
     rows, k = _check_operands(x, weight)
     if rows % 2:
         raise ValueError(f"gemv_silu_and_mul takes gate and up rows stacked; got {rows} rows")
     width = rows // 2
     out = torch.empty((1, width), dtype=x.dtype, device=x.device)
-    args = (x.contiguous(), weight, out, width, k, weight.stride(0))
-    launch_rows(_gemv_silu_and_mul_kernel, _tuned_silu_and_mul_kernel, width, config, args)
+    args = (x.contiguous(), weight, out, _norm_weight(norm, out), width, k, weight.stride(0), _eps(norm))
+    launch_rows(_gemv_silu_and_mul_kernel, _tuned_silu_and_mul_kernel, width, config, args, NORMED=norm is not None)
     return out
 
 
@@ -216,25 +296,42 @@ def gemv_rotary(
     bias: torch.Tensor | None,
     rotation: HeadRotation,
     config: triton.Config | None = None,
+    norm: RowNorm | None = None,
 ) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N], with `rotation` (cos and sin [1, head_dim])
-    applied to its first heads."""
+    """x [1, K] (or norm(x)) @ weight[N, K].T (+ bias) -> [1, N], with `rotation` (cos and
+    sin [1, head_dim]) applied to its first heads."""
     head_dim, cos, sin = rotation.head_dim, rotation.cos, rotation.sin
     rows, k = _check_operands(x, weight)
     if rows % head_dim or head_dim % 2 or cos.shape != (1, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"gemv_rotary takes heads of {head_dim} rows and cos/sin [1, {head_dim}]")
     out = torch.empty((1, rows), dtype=x.dtype, device=x.device)
     pairs = rows // 2
-    args = (x.contiguous(), weight, out if bias is None else bias, out, cos, sin, pairs, k, weight.stride(0))
-    constants = dict(ROTATED_ROWS=rotation.heads * head_dim, HALF=head_dim // 2, HAS_BIAS=bias is not None)
+    args = (x.contiguous(), weight, _or(bias, out), out, cos, sin, _norm_weight(norm, out), pairs, k, weight.stride(0))
+    args += (rotation.heads * head_dim, _eps(norm))
+    constants = dict(HALF=head_dim // 2, HAS_BIAS=bias is not None, NORMED=norm is not None)
     launch_rows(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
     return out
+
+
+def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    return stand_in if tensor is None else tensor
+
+
+def _norm_weight(norm: RowNorm | None, stand_in: torch.Tensor) -> torch.Tensor:
+    return stand_in if norm is None else norm.weight
+
+
+def _eps(norm: RowNorm | None) -> float:
+    return 0.0 if norm is None else norm.eps
 
 
 def launch_rows(kernel, tuned_kernel, units: int, config: triton.Config | None, args: tuple, **constants) -> None:
     """`units` outputs (rows, or row pairs), BLOCK_N per program: the autotuned kernel, or the
     plain one with `config`. Launched as dependent where the GPU allows (dependent_launch)."""
-    constants.update(dependent_launch_args(args[0].device))
+    device = args[0].device
+    constants.update(dependent_launch_args(device))
+    if config is None and device.type != "cuda":
+        config = INTERPRETER_CONFIG  # autotuning times launches on a GPU
     if config is None:
         tuned_kernel[lambda meta: (triton.cdiv(units, meta["BLOCK_N"]),)](*args, **constants)
     else:

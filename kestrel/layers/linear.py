@@ -52,8 +52,13 @@ class Linear(nn.Module):
     def matvec_weight(self) -> torch.Tensor:
         return self.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, self.use_gemv)
+    def folds(self, x: torch.Tensor) -> bool:
+        """Whether `x` takes the one-row matvec here, which applies an input norm and adds a
+        residual inside its own launch (`ops.RowNorm`)."""
+        return isinstance(self.weight, torch.Tensor) and ops.takes_gemv(x, self.use_gemv)
+
+    def forward(self, x: torch.Tensor, norm: ops.RowNorm | None = None) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, self.use_gemv, norm=norm)
 
 
 @dataclass(frozen=True)
@@ -140,9 +145,18 @@ class RowParallelLinear(Linear):
             raise WeightBindingError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(tensor.shape)}")
         param.data.copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def folds(self, x: torch.Tensor) -> bool:
+        # The residual joins after the ranks' sum and the bias: inside the matvec only where
+        # there is neither.
+        return self.parallel.size == 1 and self.bias is None and super().folds(x)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T summed over ranks (+ bias) (+ `residual`)."""
+        if residual is not None and self.folds(x):
+            return ops.linear(x, self.weight, use_gemv=self.use_gemv, residual=residual)
         out = self.parallel.all_reduce(ops.linear(x, self.weight, use_gemv=self.use_gemv))
-        return out if self.bias is None else out + self.bias
+        out = out if self.bias is None else out + self.bias
+        return out if residual is None else out + residual
 
 
 class FusedColumnLinear(ColumnParallelLinear):

@@ -197,8 +197,31 @@ class SparseMoe(nn.Module):
             num_shared = 0 if shared_logits is None else shared_logits.shape[1]
         return append_always_on(weights, experts, self.num_experts, num_shared, shared_logits)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.mix_experts(hidden, *self.route(hidden))
+    def folds(self, hidden: torch.Tensor) -> bool:
+        """Whether a one-row `hidden` takes the router's matvec and the expert matvecs, which
+        fold an input norm and a residual add (`forward`'s `norm` and `residual`): no
+        always-on experts, one rank (the residual joins after the ranks' sum)."""
+        return self.num_always_on == 0 and self.parallel.size == 1 and self.gate.folds(hidden)
+
+    def forward(
+        self, hidden: torch.Tensor, norm: ops.RowNorm | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The experts' mix of norm(hidden) (with `norm`; else of hidden as given), plus
+        `residual`: inside the router's and the experts' matvecs where they fold them."""
+        if norm is None and residual is None:
+            return self.mix_experts(hidden, *self.route(hidden))
+        if not self.folds(hidden):
+            normed = hidden if norm is None else ops.rms_norm(hidden, norm.weight, norm.eps)
+            out = self.mix_experts(normed, *self.route(normed))
+            return out if residual is None else out + residual
+        from kestrel.layers.fused_moe import fused_moe, gemv_route
+
+        weights, experts = gemv_route(
+            hidden, self.gate.weight, self.gate.bias, self.num_experts, self.top_k, self.renormalize, norm=norm
+        )
+        w13, w2 = self.experts.w13, self.experts.w2
+        scales = (w13.scales, w2.scales)
+        return fused_moe(hidden, w13.weight, w2.weight, weights, experts, scales=scales, norm=norm, residual=residual)
 
     def routed_experts(self) -> RoutedExperts:
         return RoutedExperts(self.num_experts, self.top_k, (self.experts.w13.weight, self.experts.w2.weight))

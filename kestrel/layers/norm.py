@@ -30,6 +30,10 @@ class RMSNorm(nn.Module):
         """What the normalised values are multiplied by (for kernels that fuse the norm)."""
         return self.weight
 
+    def row_norm(self) -> ops.RowNorm:
+        """This norm, for a linear to apply to its input (`ops.RowNorm`)."""
+        return ops.RowNorm(self.effective_weight, self.eps)
+
 
 class OffsetRMSNorm(RMSNorm):
     """RMSNorm whose checkpoint weight is the offset from one (zeros mean identity): Gemma,

@@ -28,13 +28,42 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # one-row CUDA linears may take 
 _LATENT_MATVEC_MAX_ROWS = 16  # latent attention's per-head projections as matvecs up to here
 
 
+@dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm (weight, eps) for a linear to apply to its input first. A one-row Triton
+    matvec applies it as it reads the row, in every program (layers/gemv.py): the norm then
+    costs no launch of its own. Any other path normalises first (`rms_norm`)."""
+
+    weight: torch.Tensor
+    eps: float
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None, use_gemv: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor | PackedWeight,
+    bias: torch.Tensor | None = None,
+    use_gemv: bool = False,
+    norm: RowNorm | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias), for 2-D `x`. `use_gemv`: a one-row CUDA input takes the Triton
-    matvec (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight),
-    a one-row float32 CPU input Kestrel's (`choose_cpu_matvecs`).
-    A packed weight (layers/quantized.py) takes its own kernel."""
+    """x @ weight.T (+ bias), for 2-D `x`; of norm(x) with `norm`; plus `residual` (shaped as
+    the output) with it. `use_gemv`: a one-row CUDA input takes the Triton matvec
+    (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight),
+    which folds the norm and the residual in; a one-row float32 CPU input Kestrel's
+    (`choose_cpu_matvecs`). A packed weight (layers/quantized.py) takes its own kernel."""
+    if takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
+        from kestrel.layers import gemv
+
+        return gemv.gemv(x, weight, bias, norm=norm, residual=residual)
+    if norm is not None:
+        x = rms_norm(x, norm.weight, norm.eps)
+    out = _linear(x, weight, bias, use_gemv)
+    return out if residual is None else out + residual
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, use_gemv: bool
+) -> torch.Tensor:
     if isinstance(weight, PackedWeight):
         return weight.linear(x, bias)
     if (
@@ -56,14 +85,16 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False) -> torch.Tensor:
-    """silu_and_mul(x @ weight.T) for a weight stacking the gate rows, then the up rows: one
-    kernel where a one-row linear takes the Triton matvec."""
-    if takes_gemv(x, use_gemv):
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False, norm: RowNorm | None = None
+) -> torch.Tensor:
+    """silu_and_mul(x @ weight.T) (of norm(x) with `norm`) for a weight stacking the gate
+    rows, then the up rows: one kernel where a one-row linear takes the Triton matvec."""
+    if takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
         from kestrel.layers import gemv
 
-        return gemv.gemv_silu_and_mul(x, weight)
-    return silu_and_mul(linear(x, weight, use_gemv=use_gemv))
+        return gemv.gemv_silu_and_mul(x, weight, norm=norm)
+    return silu_and_mul(linear(x, weight, use_gemv=use_gemv, norm=norm))
 
 
 @dataclass(frozen=True)
@@ -78,15 +109,20 @@ class HeadRotation:
 
 
 def linear_rotary(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rotation: HeadRotation, use_gemv: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rotation: HeadRotation,
+    use_gemv: bool = False,
+    norm: RowNorm | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) with `rotation` applied: one kernel where a one-row linear takes
-    the Triton matvec and the rotary dim is the head's."""
-    if rotation.cos.shape[-1] == rotation.head_dim and takes_gemv(x, use_gemv):
+    """x @ weight.T (+ bias) (of norm(x) with `norm`) with `rotation` applied: one kernel where
+    a one-row linear takes the Triton matvec and the rotary dim is the head's."""
+    if rotation.cos.shape[-1] == rotation.head_dim and takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
         from kestrel.layers import gemv
 
-        return gemv.gemv_rotary(x, weight, bias, rotation)
-    out = linear(x, weight, bias, use_gemv)
+        return gemv.gemv_rotary(x, weight, bias, rotation, norm=norm)
+    out = linear(x, weight, bias, use_gemv, norm=norm)
     tokens, width = out.shape[0], rotation.heads * rotation.head_dim
     heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
     rotated = rotary(heads, rotation.cos, rotation.sin)
@@ -96,8 +132,10 @@ def linear_rotary(
 
 
 def takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
-    """A one-row CUDA input of a weight `choose_matvec_kernels` marked takes layers/gemv.py."""
-    return use_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES
+    """A one-row CUDA input of a weight `choose_matvec_kernels` marked takes layers/gemv.py;
+    so does a one-row CPU input of any dtype where the kernels run on the CPU (tests)."""
+    half_or_cpu = x.dtype in _GEMV_DTYPES or not x.is_cuda
+    return use_gemv and runs_kernels(x) and x.dim() == 2 and x.shape[0] == 1 and half_or_cpu
 
 
 def _takes_cpu_matvec(x: torch.Tensor, use_gemv: bool) -> bool:

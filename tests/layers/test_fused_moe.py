@@ -329,3 +329,34 @@ def test_the_router_matvec_that_routes_picks_as_a_matvec_then_the_routing_kernel
 def test_the_router_matvec_that_routes_refuses_a_weight_of_the_wrong_rows():
     with pytest.raises(ValueError, match="8 \\+ 1 rows"):
         gemv_route(torch.zeros(1, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE), None, 8, 2, True, 1)
+
+
+def test_the_one_row_moe_folds_the_input_norm_and_the_residual_add():
+    """The router's matvec that routes and the expert matvecs, given the norm and the
+    residual, against the norm's own kernel, the same two launches, then the add."""
+    from kestrel.layers import fused
+    from kestrel.layers.ops import RowNorm
+
+    torch.manual_seed(8)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    hidden_size = 2048 if DEVICE == "cuda" else 96
+    moe = SparseMoe(hidden_size, 64, 16, 4, True).to(DEVICE)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.2)
+    moe = moe.to(dtype)
+    x = torch.randn(1, hidden_size, device=DEVICE).to(dtype)
+    residual = torch.randn(1, hidden_size, device=DEVICE).to(dtype)
+    norm = RowNorm((1 + 0.3 * torch.randn(hidden_size, device=DEVICE)).to(dtype), 1e-6)
+    normed = fused.rms_norm(x, norm.weight, norm.eps)
+    router = moe.gate.weight
+    expected_weights, expected_experts = gemv_route(normed, router, None, 16, 4, True)
+    weights, experts = gemv_route(x, router, None, 16, 4, True, norm=norm)
+    assert experts.tolist() == expected_experts.tolist()
+    torch.testing.assert_close(weights, expected_weights, atol=1e-2 if DEVICE == "cuda" else 1e-6, rtol=0)
+    w13, w2 = moe.experts.w13.weight, moe.experts.w2.weight
+    separate = expert_matvecs(normed, w13, w2, weights.flatten(), experts)
+    expected = (separate.float() + residual.float()).to(dtype)
+    got = fused_moe(x, w13, w2, weights, experts, norm=norm, residual=residual)
+    half = dtype != torch.float32
+    torch.testing.assert_close(got, expected, atol=5e-2 if half else 1e-5, rtol=2e-2 if half else 1e-5)
+    assert torch.equal(fused_moe(normed, w13, w2, weights, experts, residual=residual), expected)

@@ -128,3 +128,63 @@ def test_timing_rotates_over_copies_that_outgrow_the_cache_unless_the_weight_alr
     large = torch.empty(gemv._TIMED_BYTES // 4 + 1, dtype=torch.float32)  # past the timed bytes alone
     (only,) = gemv._weights_beyond_cache(large)
     assert only is large
+
+
+def _norm_and_residual(dtype, k, n, norm_dtype):
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    norm = ops.RowNorm((1 + 0.3 * torch.randn(k, device=DEVICE)).to(norm_dtype), 1e-5)
+    residual = torch.randn(1, n, device=DEVICE).to(dtype)
+    return x, norm, residual
+
+
+def _close_to_a_rounding(got, expected):
+    # The folded norm sums x's squares in its own order: the last bit of a half type may move.
+    half = got.dtype != torch.float32
+    torch.testing.assert_close(got, expected, atol=3e-2 if half else 1e-5, rtol=1e-2 if half else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_dtype", ["model", torch.float32])  # an offset norm's weight is float32
+@pytest.mark.parametrize(("n", "k", "block_n", "block_k"), [(48, 160, 16, 64), (37, 100, 8, 128)])
+def test_gemv_folds_the_input_norm_and_the_residual_add(dtype, norm_dtype, n, k, block_n, block_k):
+    """gemv with `norm` and `residual` against the norm's own kernel, the matvec, then the add
+    (rounded as the norm kernel adds a residual): x spanning several blocks and a ragged one."""
+    torch.manual_seed(n + k)
+    x, norm, residual = _norm_and_residual(dtype, k, n, dtype if norm_dtype == "model" else norm_dtype)
+    weight = torch.randn(n, k, device=DEVICE).to(dtype)
+    config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k})
+    normed = fused.rms_norm(x, norm.weight, norm.eps)
+    separate = gemv.gemv(normed, weight, config=config)
+    _close_to_a_rounding(gemv.gemv(x, weight, config=config, norm=norm), separate)
+    summed = (separate.float() + residual.float()).to(dtype)
+    _close_to_a_rounding(gemv.gemv(x, weight, config=config, norm=norm, residual=residual), summed)
+    assert torch.equal(gemv.gemv(normed, weight, config=config, residual=residual), summed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_silu_and_mul_and_gemv_rotary_fold_the_input_norm(dtype):
+    torch.manual_seed(5)
+    head_dim, k = 16, 72
+    x, norm, _ = _norm_and_residual(dtype, k, 1, dtype)
+    normed = fused.rms_norm(x, norm.weight, norm.eps)
+    config = triton.Config({"BLOCK_N": 8, "BLOCK_K": 32})
+    gate_up = torch.randn(80, k, device=DEVICE).to(dtype)
+    expected = gemv.gemv_silu_and_mul(normed, gate_up, config=config)
+    _close_to_a_rounding(gemv.gemv_silu_and_mul(x, gate_up, config=config, norm=norm), expected)
+    qkv = torch.randn(4 * head_dim, k, device=DEVICE).to(dtype)
+    angles = torch.rand(1, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
+    rotation = ops.HeadRotation(angles.cos().to(dtype), angles.sin().to(dtype), 3, head_dim)
+    expected = gemv.gemv_rotary(normed, qkv, None, rotation, config=config)
+    _close_to_a_rounding(gemv.gemv_rotary(x, qkv, None, rotation, config=config, norm=norm), expected)
+
+
+def test_the_folded_linear_normalises_and_adds_where_it_takes_no_matvec():
+    """ops.linear's other paths (here torch's, on the CPU) normalise first and add after."""
+    torch.manual_seed(6)
+    x, norm, residual = _norm_and_residual(torch.float32, 24, 10, torch.float32)
+    x = x.cpu().repeat(3, 1)
+    norm, residual = ops.RowNorm(norm.weight.cpu(), norm.eps), residual.cpu()
+    weight = torch.randn(10, 24)
+    got = ops.linear(x, weight, norm=norm, residual=residual)
+    expected = ops.linear(ops.rms_norm(x, norm.weight, norm.eps), weight) + residual
+    assert torch.equal(got, expected)
