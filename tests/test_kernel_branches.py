@@ -86,17 +86,34 @@ def test_4bit_weights_take_the_kernels_that_multiply_by_their_dequantized_values
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
-def test_one_row_steps_fold_each_norm_into_the_matvecs_that_read_it(family, checkpoint_dir):
-    """The comparison above runs these models' one-row decode steps folded: each layer's
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "qwen3-next", "qwen3.5"])
+def test_one_row_steps_fold_each_norm_into_the_matvecs_that_read_it(family, checkpoint_dir, monkeypatch):
+    """With every linear on the one-row matvec (as a GPU's measurement picks for these
+    shapes; the CPU's own choice leaves some out), one-row steps run folded: each layer's
     norms inside the matvecs that read them, its residual adds inside those that write the
-    sum (DecoderLayer.forward_folded). Asserted here, so that the comparison cannot pass by
-    never folding; a step of two rows does not fold."""
-    from kestrel.models.dense import DecoderLayer
+    sum (ResidualBlock.forward_folded). Every layer folds at one row, none at two, every
+    layer of every decode step ran folded, and the tokens and logprobs are the torch
+    branches'."""
+    from kestrel.models.dense import ResidualBlock
 
+    path = str(checkpoint_dir(family))
+    one_at_a_time = [[prompt] for prompt in PROMPTS]  # each step one row
+    expected = [LLM(path, **OPTIONS).generate(prompt, PARAMS, use_tqdm=False)[0] for prompt in one_at_a_time]
+    folded, unfolded = [], ResidualBlock.forward_folded
+    monkeypatch.setattr(ResidualBlock, "forward_folded", lambda *args: folded.append(1) or unfolded(*args))
     with kernels_on_cpu():
-        llm = LLM(str(checkpoint_dir(family)), **OPTIONS)
-        layers = [m for m in llm.engine.parts.runner.model.modules() if isinstance(m, DecoderLayer)]
+        llm = LLM(path, **OPTIONS)
+        modules = list(llm.engine.parts.runner.model.modules())
+        for module in modules:
+            if isinstance(getattr(module, "matvec_weight", None), torch.Tensor):
+                module.use_gemv = True
+        layers = [m for m in modules if isinstance(m, ResidualBlock)]
         hidden_size = layers[0].input_layernorm.weight.shape[0]
         assert all(layer.folds(torch.zeros(1, hidden_size)) for layer in layers)
         assert not any(layer.folds(torch.zeros(2, hidden_size)) for layer in layers)
+        got = [llm.generate(prompt, PARAMS, use_tqdm=False)[0] for prompt in one_at_a_time]
+    assert len(folded) >= len(layers) * (PARAMS.max_tokens - 1) * len(PROMPTS)
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())

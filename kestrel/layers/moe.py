@@ -154,13 +154,20 @@ class SparseMoe(nn.Module):
         return self.pick(self.gate(hidden), hidden.dtype, shared_logits)
 
     def route_in_matvec(
-        self, hidden: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None = None, gated_shared: int = 0
+        self,
+        hidden: torch.Tensor,
+        router: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gated_shared: int = 0,
+        norm: ops.RowNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`route` of one row in one launch (`gemv_route`): the router's matvec, whose last
-        program routes. `router` may carry `gated_shared` rows of always-on experts' gates."""
+        """`route` of one row (or of norm(row)) in one launch (`gemv_route`): the router's
+        matvec, whose last program routes. `router` may carry `gated_shared` rows of
+        always-on experts' gates."""
         from kestrel.layers.fused_moe import gemv_route
 
-        return gemv_route(hidden, router, bias, self.num_experts, self.top_k, self.renormalize, gated_shared)
+        args = (self.num_experts, self.top_k, self.renormalize, gated_shared)
+        return gemv_route(hidden, router, bias, *args, norm=norm)
 
     def pick(
         self,
@@ -210,15 +217,21 @@ class SparseMoe(nn.Module):
         `residual`: inside the router's and the experts' matvecs where they fold them."""
         if norm is None and residual is None:
             return self.mix_experts(hidden, *self.route(hidden))
+        return self.forward_folded(hidden, norm, residual)
+
+    def forward_folded(
+        self, hidden: torch.Tensor, norm: ops.RowNorm | None, residual: torch.Tensor | None, gated_shared: int = 0
+    ) -> torch.Tensor:
+        """`forward` with a norm or a residual: inside the router's matvec (`gated_shared`
+        always-on experts' gates among its rows) and the expert matvecs where they fold
+        them; else in launches of their own."""
         if not self.folds(hidden):
             normed = hidden if norm is None else ops.rms_norm(hidden, norm.weight, norm.eps)
-            out = self.mix_experts(normed, *self.route(normed))
+            out = self(normed)
             return out if residual is None else out + residual
-        from kestrel.layers.fused_moe import fused_moe, gemv_route
+        from kestrel.layers.fused_moe import fused_moe
 
-        weights, experts = gemv_route(
-            hidden, self.gate.weight, self.gate.bias, self.num_experts, self.top_k, self.renormalize, norm=norm
-        )
+        weights, experts = self.route_in_matvec(hidden, self.gate.weight, self.gate.bias, gated_shared, norm)
         w13, w2 = self.experts.w13, self.experts.w2
         scales = (w13.scales, w2.scales)
         return fused_moe(hidden, w13.weight, w2.weight, weights, experts, scales=scales, norm=norm, residual=residual)

@@ -160,8 +160,15 @@ class ResidualBlock(nn.Module):
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
 
     def mix(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: ForwardContext,
+        norm: ops.RowNorm | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The token mixer's output (attention, linear attention) for `hidden`; a subclass that
+        `folds` takes `norm` (apply it to hidden first) and `residual` (add it to the output)."""
         raise NotImplementedError
 
     def forward(
@@ -196,8 +203,11 @@ class ResidualBlock(nn.Module):
     def forward_folded(
         self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
     ) -> torch.Tensor:
-        """The residual stream after this layer, from the stream before it."""
-        raise NotImplementedError
+        """The residual stream after this layer, from the stream before it: each norm inside
+        the matvecs that read its output, each residual add inside the matvec that writes
+        the sum."""
+        stream = self.mix(stream, rotary, context, self.input_layernorm.row_norm(), residual=stream)
+        return self.mlp(stream, self.post_attention_layernorm.row_norm(), residual=stream)
 
 
 class DecoderLayer(ResidualBlock):
@@ -210,22 +220,18 @@ class DecoderLayer(ResidualBlock):
             self.mlp = DecoderMLP(spec, parallel)
 
     def mix(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: ForwardContext,
+        norm: ops.RowNorm | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.self_attn(hidden, rotary, context)
+        return self.self_attn(hidden, rotary, context, norm, residual)
 
     def folds(self, hidden: torch.Tensor) -> bool:
-        # One row through matvecs only: the two norms' launches are saved (about 1.5 us each
-        # a layer at one request).
+        # One row through matvecs only: the two norms' launches are saved.
         return self.self_attn.folds(hidden) and self.mlp.folds(hidden)
-
-    def forward_folded(
-        self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
-    ) -> torch.Tensor:
-        """Each norm inside the matvecs that read its output, each residual add inside the
-        matvec that writes the sum."""
-        stream = self.self_attn(stream, rotary, context, self.input_layernorm.row_norm(), residual=stream)
-        return self.mlp(stream, self.post_attention_layernorm.row_norm(), residual=stream)
 
 
 class DecoderModel(nn.Module):
