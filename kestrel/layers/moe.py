@@ -153,6 +153,10 @@ class SparseMoe(nn.Module):
             return self.route_in_matvec(hidden, self.gate.weight, self.gate.bias)
         return self.pick(self.gate(hidden), hidden.dtype, shared_logits)
 
+    def route_folded(self, hidden: torch.Tensor, norm: ops.RowNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` of norm(hidden) where `folds`: in the router's matvec, which applies the norm."""
+        return self.route_in_matvec(hidden, self.gate.weight, self.gate.bias, norm=norm)
+
     def route_in_matvec(
         self,
         hidden: torch.Tensor,
@@ -220,18 +224,17 @@ class SparseMoe(nn.Module):
         return self.forward_folded(hidden, norm, residual)
 
     def forward_folded(
-        self, hidden: torch.Tensor, norm: ops.RowNorm | None, residual: torch.Tensor | None, gated_shared: int = 0
+        self, hidden: torch.Tensor, norm: ops.RowNorm | None, residual: torch.Tensor | None
     ) -> torch.Tensor:
-        """`forward` with a norm or a residual: inside the router's matvec (`gated_shared`
-        always-on experts' gates among its rows) and the expert matvecs where they fold
-        them; else in launches of their own."""
+        """`forward` with a norm or a residual: inside the router's matvec and the expert
+        matvecs where they fold them (`route_folded`); else in launches of their own."""
         if not self.folds(hidden):
             normed = hidden if norm is None else ops.rms_norm(hidden, norm.weight, norm.eps)
             out = self(normed)
             return out if residual is None else out + residual
         from kestrel.layers.fused_moe import fused_moe
 
-        weights, experts = self.route_in_matvec(hidden, self.gate.weight, self.gate.bias, gated_shared, norm)
+        weights, experts = self.route_folded(hidden, norm)
         w13, w2 = self.experts.w13, self.experts.w2
         scales = (w13.scales, w2.scales)
         return fused_moe(hidden, w13.weight, w2.weight, weights, experts, scales=scales, norm=norm, residual=residual)

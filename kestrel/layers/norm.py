@@ -30,6 +30,11 @@ class RMSNorm(nn.Module):
         """What the normalised values are multiplied by (for kernels that fuse the norm)."""
         return self.weight
 
+    def of_stream(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """norm(hidden + residual) after a decoder layer; norm(hidden) where the layer left no
+        residual (it folded its add: hidden is the stream, ResidualBlock.forward)."""
+        return self(hidden) if residual is None else self(hidden, residual)[0]
+
     def row_norm(self) -> ops.RowNorm:
         """This norm, for a linear to apply to its input (`ops.RowNorm`)."""
         return ops.RowNorm(self.effective_weight, self.eps)

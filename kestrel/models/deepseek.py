@@ -151,15 +151,28 @@ class DeepseekMoe(SparseMoe):
         self.routing = spec.routing
         self.gate = DeepseekRouter(spec.hidden_size, moe.num_experts, spec.routing.correction_bias)
 
+    def folds(self, hidden: torch.Tensor) -> bool:
+        """V2's greedy softmax routing (the routing kernel, on logits in the model's dtype): its
+        router's matvec folds a norm; V3's float32 scores are computed from the row itself."""
+        return self._routes_greedily(hidden) and self.parallel.size == 1 and self.gate.folds(hidden)
+
+    def route_folded(self, hidden: torch.Tensor, norm: ops.RowNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pick_greedily(self.gate(hidden, norm), hidden.dtype)
+
+    def _routes_greedily(self, hidden: torch.Tensor) -> bool:
+        return ops.runs_kernels(hidden) and self.routing.scoring == SOFTMAX and self.routing.num_groups == 1
+
+    def _pick_greedily(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pick(logits, dtype, always_on=True, routed_scale=self.routing.scaling_factor)
+
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed choices, then the shared experts (weight 1)."""
-        routing = self.routing
-        if ops.runs_kernels(hidden) and routing.scoring == SOFTMAX and routing.num_groups == 1:
+        if self._routes_greedily(hidden):
             # V2's greedy top-k of a softmax: the fused routing kernel, on the router's logits
             # in the model's dtype (where float32 logits took four launches more).
-            return self.pick(self.gate(hidden), hidden.dtype, always_on=True, routed_scale=routing.scaling_factor)
+            return self._pick_greedily(self.gate(hidden), hidden.dtype)
         # Scores in float32, as transformers computes them: a near tie picks the same expert.
         logits = torch.nn.functional.linear(hidden.float(), self.gate.weight.float())
         weights, experts = route(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.routing)
@@ -216,23 +229,36 @@ class MlaAttention(nn.Module):
         per_head = self.kv_b_proj.weight.view(self.num_heads, mla.nope_dim + mla.value_dim, mla.kv_lora_rank)
         return per_head[:, : mla.nope_dim], per_head[:, mla.nope_dim :]
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _query(self, hidden: torch.Tensor, norm: ops.RowNorm | None) -> torch.Tensor:
         if self.mla.q_lora_rank is None:
-            return self.q_proj(hidden)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            return self.q_proj(hidden, norm)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden, norm)))
+
+    def folds(self, hidden: torch.Tensor) -> bool:
+        """Whether a one-row `hidden` takes matvecs that fold the input norm (the query's and
+        the latent's projections both read it) and the residual add."""
+        query = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        return query.folds(hidden) and self.kv_a_proj_with_mqa.folds(hidden) and self.o_proj.folds(hidden)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: ForwardContext,
+        norm: ops.RowNorm | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention over norm(hidden) (with `norm`; else hidden as given), plus `residual`."""
         mla, tokens = self.mla, hidden.shape[0]
         cos, sin = rotary
-        query = self._query(hidden).view(tokens, self.num_heads, mla.query_dim)
-        norm = self.kv_a_layernorm
-        key = ops.latent_key(self.kv_a_proj_with_mqa(hidden), norm.effective_weight, norm.eps, cos, sin)
+        query = self._query(hidden, norm).view(tokens, self.num_heads, mla.query_dim)
+        latent_norm = self.kv_a_layernorm
+        latent = self.kv_a_proj_with_mqa(hidden, norm)
+        key = ops.latent_key(latent, latent_norm.effective_weight, latent_norm.eps, cos, sin)
         key_up, value_up = self._up_projections()
         absorbed = ops.absorb_query(query, key_up, cos, sin)
         attended = context.attend(self.layer_index, absorbed, key, key[..., : mla.kv_lora_rank], self.layer_spec)
-        return self.o_proj(ops.latent_values(attended, value_up))
+        return self.o_proj(ops.latent_values(attended, value_up), residual)
 
 
 class DeepseekDecoderLayer(ResidualBlock):
@@ -242,9 +268,18 @@ class DeepseekDecoderLayer(ResidualBlock):
         self.mlp = DeepseekMoe(spec, parallel) if spec.is_moe_layer(index) else DecoderMLP(spec, parallel)
 
     def mix(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        context: ForwardContext,
+        norm: ops.RowNorm | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.self_attn(hidden, rotary, context)
+        return self.self_attn(hidden, rotary, context, norm, residual)
+
+    def folds(self, hidden: torch.Tensor) -> bool:
+        # One row through matvecs only: the two norms' launches are saved.
+        return self.self_attn.folds(hidden) and self.mlp.folds(hidden)
 
 
 def _softmax_scale(hf_config: object, query_dim: int) -> float:

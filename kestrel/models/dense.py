@@ -274,9 +274,7 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, rotary, context)
-        if residual is None:  # the last layer folded its residual add
-            return self.model.norm(hidden)
-        return self.model.norm(hidden, residual)[0]
+        return self.model.norm.of_stream(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.parallel.all_gather_columns(ops.linear(hidden, self.matvec_weight, use_gemv=self.use_gemv))

@@ -431,7 +431,7 @@ class SharedExpertMoe(SparseMoe):
     ) -> torch.Tensor:
         """As `SparseMoe.forward`, the shared expert with the routed ones."""
         if norm is not None or residual is not None:
-            return self.forward_folded(hidden, norm, residual, gated_shared=1)
+            return self.forward_folded(hidden, norm, residual)
         stacked = self.num_stacked > self.num_experts
         if stacked and ops.takes_gemv(hidden, self.gate.use_gemv):
             return self.mix_experts(hidden, *self.route_in_matvec(hidden, self.gate.weight, gated_shared=1))
@@ -441,6 +441,10 @@ class SharedExpertMoe(SparseMoe):
             mixed = self.mix_experts(hidden, *self.pick(routed, hidden.dtype))
             return mixed + torch.sigmoid(shared_logits) * self.shared_expert(hidden)
         return self.mix_experts(hidden, *self.pick(routed, hidden.dtype, shared_logits))
+
+    def route_folded(self, hidden: torch.Tensor, norm: ops.RowNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts, then the shared one weighted by its gate (the router's last row)."""
+        return self.route_in_matvec(hidden, self.gate.weight, gated_shared=1, norm=norm)
 
     def route(
         self, hidden: torch.Tensor, shared_logits: torch.Tensor | None = None

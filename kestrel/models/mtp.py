@@ -92,7 +92,7 @@ class MtpDraft(nn.Module):
         hidden = self.projection(torch.cat([embedded, target_hidden], dim=-1))
         rotary = rotary_cos_sin(positions, self.spec.rope, self.spec.rotary_dim, hidden.dtype)
         hidden, residual = self.layer(hidden, None, rotary, context)
-        hidden = self.final_norm(hidden, residual)[0]
+        hidden = self.final_norm.of_stream(hidden, residual)
         self.hidden_output[:rows].copy_(hidden)
         return hidden
 
