@@ -300,7 +300,7 @@ def _gemv_route_kernel(
         tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
 
 
-_tuned_gemv_route_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_route_kernel)
+_tuned_gemv_route_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K", "NORMED"])(_gemv_route_kernel)
 
 # One arrival counter per device, zero between launches (each launch's last program resets
 # it). Launches on one device run one after another in stream order, which all of Kestrel's

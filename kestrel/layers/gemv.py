@@ -40,22 +40,23 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _inverse_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-    """1 / the root mean square of x [K] (plus eps), as fused.rms_norm computes it."""
+def _inverse_rms(first_block, x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """1 / the root mean square of x [K] (plus eps), as fused.rms_norm computes it, from x's
+    first block as loaded and the later blocks (none where one block holds x)."""
     cols = tl.arange(0, BLOCK_K)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    first = first_block.to(tl.float32)
+    squares = first * first
+    for start in range(BLOCK_K, K, BLOCK_K):
         x = tl.load(x_ptr + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
         squares += x * x
     return 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
 
 
 @triton.jit
-def _input_block(x_ptr, norm_ptr, block, K, inverse_rms, NORMED: tl.constexpr):
-    """x's columns `block` in float32; NORMED, RMS-normalised and weighted by norm [K],
-    rounded where fused.rms_norm rounds (so its output and this agree to the bit, but for
-    the order of the squares' sum)."""
-    x = tl.load(x_ptr + block, mask=block < K, other=0.0)
+def _input_block(x, norm_ptr, block, K, inverse_rms, NORMED: tl.constexpr):
+    """x's columns `block` (x as loaded) in float32; NORMED, RMS-normalised and weighted by
+    norm [K], rounded where fused.rms_norm rounds (so its output and this agree to the bit,
+    but for the order of the squares' sum)."""
     values = x.to(tl.float32)
     if NORMED:
         normed = (values * inverse_rms).to(x.dtype).to(tl.float32)
@@ -95,10 +96,11 @@ def row_dots(
     if PAIRED:
         paired_weights = tl.load(paired_rows + cols[None, :], mask=mask, other=0.0)
     wait_for_inputs(DEPENDENT)
+    first_block = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
     inverse_rms = 1.0
     if NORMED:
-        inverse_rms = _inverse_rms(x_ptr, K, eps, BLOCK_K)
-    x = _input_block(x_ptr, norm_ptr, cols, K, inverse_rms, NORMED)
+        inverse_rms = _inverse_rms(first_block, x_ptr, K, eps, BLOCK_K)
+    x = _input_block(first_block, norm_ptr, cols, K, inverse_rms, NORMED)
     dots = tl.sum(weights.to(tl.float32) * x[None, :], axis=1)
     paired_dots = dots
     if PAIRED:
@@ -106,7 +108,7 @@ def row_dots(
     for start in range(BLOCK_K, K, BLOCK_K):
         block = start + cols
         mask = in_rows[:, None] & (block < K)[None, :]
-        x = _input_block(x_ptr, norm_ptr, block, K, inverse_rms, NORMED)
+        x = _input_block(tl.load(x_ptr + block, mask=block < K, other=0.0), norm_ptr, block, K, inverse_rms, NORMED)
         weights = tl.load(first_rows + block[None, :], mask=mask, other=0.0)
         dots += tl.sum(weights.to(tl.float32) * x[None, :], axis=1)
         if PAIRED:
@@ -245,9 +247,12 @@ MATVEC_CONFIGS = [
 # Where the kernels run under Triton's interpreter (tests): small blocks, so that rows and
 # columns of the tiny test models span several blocks, ragged ones too.
 INTERPRETER_CONFIG = triton.Config({"BLOCK_N": 4, "BLOCK_K": 64})
-_tuned_gemv_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K"])(_gemv_kernel)
-_tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH", "K"])(_gemv_silu_and_mul_kernel)
-_tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K"])(_gemv_rotary_kernel)
+# A folded norm reads the norm's weight beside x: its launches are tuned apart.
+_tuned_gemv_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K", "NORMED"])(_gemv_kernel)
+_tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH", "K", "NORMED"])(
+    _gemv_silu_and_mul_kernel
+)
+_tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K", "NORMED"])(_gemv_rotary_kernel)
 
 
 def gemv(
