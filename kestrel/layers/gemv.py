@@ -148,7 +148,9 @@ def _gemv_kernel(
 ):
     """out[n] = sum_k w[n, k] * x[k] (* scale[n]) (+ bias[n]) (+ residual[n]), float32
     accumulation, for BLOCK_N rows per program. With HAS_SCALE the weight is float8 with a
-    scale per row; NORMED, x is RMS-normalised first (`row_dots`)."""
+    scale per row; NORMED, x is RMS-normalised first (`row_dots`). With HAS_RESIDUAL the
+    bias joins after the product is rounded, as a row-parallel linear adds its bias to the
+    ranks' rounded sum; otherwise before, as cuBLAS adds it."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
     acc, _ = row_dots(
@@ -156,11 +158,13 @@ def _gemv_kernel(
     )
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
+    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
-    out = acc.to(out_ptr.dtype.element_ty)
+        bias = tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + bias if HAS_RESIDUAL else acc + bias
+    out = acc.to(dtype)
     if HAS_RESIDUAL:
-        out = add_residual(acc, residual_ptr, rows, in_rows, out_ptr.dtype.element_ty)
+        out = add_residual(acc, residual_ptr, rows, in_rows, dtype)
     tl.store(out_ptr + rows, out, mask=in_rows)
 
 
@@ -266,7 +270,8 @@ def gemv(
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N]; with `scale` [N] (float32), each row's
     dot times its scale (a float8 weight); with `norm`, of norm(x), computed by every program
-    as it reads x; with `residual` [1, N], plus that (rounded as the separate add). The
+    as it reads x; with `residual` [1, N], plus that, rounded as a row-parallel linear then
+    the norm's residual add round (the product, plus the bias, plus the residual). The
     launch configuration is autotuned per shape unless given (tests, sweeps)."""
     n, k = _check_operands(x, weight)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)

@@ -146,14 +146,13 @@ class RowParallelLinear(Linear):
         param.data.copy_(tensor)
 
     def folds(self, x: torch.Tensor) -> bool:
-        # The residual joins after the ranks' sum and the bias: inside the matvec only where
-        # there is neither.
-        return self.parallel.size == 1 and self.bias is None and super().folds(x)
+        # The residual joins after the ranks' sum: inside the matvec only on one rank.
+        return self.parallel.size == 1 and super().folds(x)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T summed over ranks (+ bias) (+ `residual`)."""
         if residual is not None and self.folds(x):
-            return ops.linear(x, self.weight, use_gemv=self.use_gemv, residual=residual)
+            return ops.linear(x, self.weight, self.bias, self.use_gemv, residual=residual)
         out = self.parallel.all_reduce(ops.linear(x, self.weight, use_gemv=self.use_gemv))
         out = out if self.bias is None else out + self.bias
         return out if residual is None else out + residual

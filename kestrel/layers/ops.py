@@ -47,7 +47,8 @@ def linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), for 2-D `x`; of norm(x) with `norm`; plus `residual` (shaped as
-    the output) with it. `use_gemv`: a one-row CUDA input takes the Triton matvec
+    the output) with it, the bias then added to the rounded product (as a row-parallel
+    linear adds it). `use_gemv`: a one-row CUDA input takes the Triton matvec
     (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight),
     which folds the norm and the residual in; a one-row float32 CPU input Kestrel's
     (`choose_cpu_matvecs`). A packed weight (layers/quantized.py) takes its own kernel."""
@@ -57,8 +58,10 @@ def linear(
         return gemv.gemv(x, weight, bias, norm=norm, residual=residual)
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps)
-    out = _linear(x, weight, bias, use_gemv)
-    return out if residual is None else out + residual
+    if residual is None:
+        return _linear(x, weight, bias, use_gemv)
+    out = _linear(x, weight, None, use_gemv)
+    return (out if bias is None else out + bias) + residual
 
 
 def _linear(

@@ -267,20 +267,6 @@ class DeepseekDecoderLayer(ResidualBlock):
         self.self_attn = MlaAttention(spec, index, parallel)
         self.mlp = DeepseekMoe(spec, parallel) if spec.is_moe_layer(index) else DecoderMLP(spec, parallel)
 
-    def mix(
-        self,
-        hidden: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        context: ForwardContext,
-        norm: ops.RowNorm | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.self_attn(hidden, rotary, context, norm, residual)
-
-    def folds(self, hidden: torch.Tensor) -> bool:
-        # One row through matvecs only: the two norms' launches are saved.
-        return self.self_attn.folds(hidden) and self.mlp.folds(hidden)
-
 
 def _softmax_scale(hf_config: object, query_dim: int) -> float:
     """query_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared where the config

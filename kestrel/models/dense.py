@@ -152,12 +152,21 @@ class DecoderMLP(nn.Module):
 
 class ResidualBlock(nn.Module):
     """norm -> token mixer -> norm -> MLP, with the residual stream carried between layers.
-    A subclass provides the mixer (`mix`) and the MLP."""
+    A subclass provides the mixer (`self_attn`, or its own `mixer`) and the MLP (`mlp`).
+
+    Both are called with an optional `norm` (an ops.RowNorm to apply to their input first)
+    and `residual` (to add to their output), and say with `folds(hidden)` whether their
+    matvecs do both inside their own launches for this input."""
 
     def __init__(self, spec: DecoderSpec, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer (attention, linear attention)."""
+        return self.self_attn
 
     def mix(
         self,
@@ -167,9 +176,7 @@ class ResidualBlock(nn.Module):
         norm: ops.RowNorm | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The token mixer's output (attention, linear attention) for `hidden`; a subclass that
-        `folds` takes `norm` (apply it to hidden first) and `residual` (add it to the output)."""
-        raise NotImplementedError
+        return self.mixer(hidden, rotary, context, norm, residual)
 
     def forward(
         self,
@@ -196,9 +203,9 @@ class ResidualBlock(nn.Module):
         return self.mlp(hidden), residual
 
     def folds(self, hidden: torch.Tensor) -> bool:
-        """Whether this step runs `forward_folded`: a subclass whose mixer and MLP fold a norm
-        and a residual add into their one-row matvecs says when they do."""
-        return False
+        """Whether this step runs `forward_folded`: where the mixer and the MLP both fold (one
+        row through matvecs only), which saves both norms' launches."""
+        return self.mixer.folds(hidden) and self.mlp.folds(hidden)
 
     def forward_folded(
         self, stream: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
@@ -218,20 +225,6 @@ class DecoderLayer(ResidualBlock):
             self.mlp = SparseMoe(*sparse_moe_args(spec), parallel)
         else:
             self.mlp = DecoderMLP(spec, parallel)
-
-    def mix(
-        self,
-        hidden: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        context: ForwardContext,
-        norm: ops.RowNorm | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.self_attn(hidden, rotary, context, norm, residual)
-
-    def folds(self, hidden: torch.Tensor) -> bool:
-        # One row through matvecs only: the two norms' launches are saved.
-        return self.self_attn.folds(hidden) and self.mlp.folds(hidden)
 
 
 class DecoderModel(nn.Module):

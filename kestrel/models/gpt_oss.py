@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.core.forward import ForwardContext
 from kestrel.core.parallel import SINGLE, TensorParallel
 from kestrel.core.weight_bindings import WeightBindings, copy_whole
 from kestrel.layers import ops
@@ -107,7 +106,18 @@ class GptOssMoe(nn.Module):
         self.router = Linear(spec.hidden_size, spec.moe.num_experts, bias=True)  # replicated
         self.experts = GptOssExperts(spec, parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def folds(self, hidden: torch.Tensor) -> bool:
+        """Whether a one-row `hidden` takes the router's matvec and the expert matvecs, which
+        fold an input norm and a residual add (one rank: the residual joins after the sum)."""
+        return self.parallel.size == 1 and self.router.folds(hidden)
+
+    def forward(
+        self, hidden: torch.Tensor, norm: ops.RowNorm | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The experts' mix of norm(hidden) (with `norm`; else of hidden as given), plus
+        `residual`: inside the router's and the experts' matvecs where they fold them."""
+        if norm is not None or residual is not None:
+            return self._forward_folded(hidden, norm, residual)
         router = self.router
         if ops.takes_gemv(hidden, router.use_gemv):
             from kestrel.layers.fused_moe import gemv_route
@@ -128,14 +138,36 @@ class GptOssMoe(nn.Module):
         bias = self.experts.down_proj_bias[experts]  # [tokens, k, hidden]
         return out + (weights[..., None] * bias).sum(dim=1).to(out.dtype)
 
-    def _fused(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _forward_folded(
+        self, hidden: torch.Tensor, norm: ops.RowNorm | None, residual: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not self.folds(hidden):
+            normed = hidden if norm is None else ops.rms_norm(hidden, norm.weight, norm.eps)
+            out = self(normed)
+            return out if residual is None else out + residual
+        from kestrel.layers.fused_moe import gemv_route
+
+        router = self.router
+        routed = gemv_route(hidden, router.weight, router.bias, router.out_features, self.top_k, True, norm=norm)
+        return self._fused(hidden, *routed, norm, residual)
+
+    def _fused(
+        self,
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        norm: ops.RowNorm | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The fused MoE (of norm(hidden) with `norm`; plus `residual`, on one rank alone)."""
         from kestrel.layers.fused_moe import fused_moe
 
         params = self.experts
         # The down bias is added once: by rank 0 alone, before the ranks' partial sums meet.
         down_bias = params.down_proj_bias if self.parallel.rank == 0 else None
         form = ExpertForm(CLAMPED_SWIGLU, params.gate_up_proj_bias, down_bias)
-        out = fused_moe(hidden, params.gate_up_proj, params.down_proj, weights, experts, form=form)
+        experts_of = dict(form=form, norm=norm, residual=residual)
+        out = fused_moe(hidden, params.gate_up_proj, params.down_proj, weights, experts, **experts_of)
         return self.parallel.all_reduce(out)
 
     def routed_experts(self) -> RoutedExperts:
@@ -162,11 +194,6 @@ class GptOssDecoderLayer(ResidualBlock):
         super().__init__(spec)
         self.self_attn = GptOssAttention(spec, index, parallel)
         self.mlp = GptOssMoe(spec, parallel)
-
-    def mix(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], context: ForwardContext
-    ) -> torch.Tensor:
-        return self.self_attn(hidden, rotary, context)
 
 
 class GptOssRecipe(DenseDecoderRecipe):

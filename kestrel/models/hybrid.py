@@ -474,20 +474,6 @@ class HybridDecoderLayer(ResidualBlock):
     def mixer(self) -> GatedDeltaNet | GatedAttention:
         return self.linear_attn if self.is_linear else self.self_attn
 
-    def mix(
-        self,
-        hidden: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        context: ForwardContext,
-        norm: ops.RowNorm | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.mixer(hidden, rotary, context, norm, residual)
-
-    def folds(self, hidden: torch.Tensor) -> bool:
-        # One row through matvecs only: the two norms' launches are saved.
-        return self.mixer.folds(hidden) and self.mlp.folds(hidden)
-
 
 class HybridForCausalLM(DecoderForCausalLM):
     def __init__(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> None:

@@ -159,6 +159,10 @@ def test_gemv_folds_the_input_norm_and_the_residual_add(dtype, norm_dtype, n, k,
     summed = (separate.float() + residual.float()).to(dtype)
     _close_to_a_rounding(gemv.gemv(x, weight, config=config, norm=norm, residual=residual), summed)
     assert torch.equal(gemv.gemv(normed, weight, config=config, residual=residual), summed)
+    # A bias beside the residual joins the rounded product, as a row-parallel linear adds it.
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    with_bias = ((separate.float() + bias.float()).to(dtype).float() + residual.float()).to(dtype)
+    assert torch.equal(gemv.gemv(normed, weight, bias, config=config, residual=residual), with_bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
