@@ -130,3 +130,42 @@ def test_one_row_steps_fold_each_norm_into_the_matvecs_that_read_it(family, chec
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
         for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
+
+
+def test_deepseek_v2_lite_routing_runs_in_the_router_matvec_and_folds(checkpoint_dir, monkeypatch):
+    """DeepSeek-V2-Lite routes greedily (one group): at one row its router's matvec routes
+    (`gemv_route` with the shared experts after the routed ones, weight 1, and the routed
+    scale), so its MoE layers fold too. The test checkpoint's routing limited to one group,
+    in both engines; every layer folds, and the tokens and logprobs are the torch path's."""
+    import dataclasses
+
+    from kestrel.models.deepseek import DeepseekMoe
+    from kestrel.models.dense import ResidualBlock
+
+    def one_group(llm: LLM) -> list[torch.nn.Module]:
+        modules = list(llm.engine.parts.runner.model.modules())
+        for module in modules:
+            if isinstance(module, DeepseekMoe):
+                module.routing = dataclasses.replace(module.routing, num_groups=1, topk_groups=1)
+        return modules
+
+    path = str(checkpoint_dir("deepseek-v2"))
+    prompt = PROMPTS[:1]
+    reference = LLM(path, **OPTIONS)
+    one_group(reference)
+    expected = reference.generate(prompt, PARAMS, use_tqdm=False)[0]
+    folded, unfolded = [], ResidualBlock.forward_folded
+    monkeypatch.setattr(ResidualBlock, "forward_folded", lambda *args: folded.append(1) or unfolded(*args))
+    with kernels_on_cpu():
+        llm = LLM(path, **OPTIONS)
+        modules = one_group(llm)
+        for module in modules:
+            if isinstance(getattr(module, "matvec_weight", None), torch.Tensor):
+                module.use_gemv = True
+        layers = [m for m in modules if isinstance(m, ResidualBlock)]
+        assert all(layer.folds(torch.zeros(1, layer.input_layernorm.weight.shape[0])) for layer in layers)
+        got = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
+    assert len(folded) >= len(layers) * (PARAMS.max_tokens - 1)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    for a, b in zip(expected.outputs[0].logprobs, got.outputs[0].logprobs):
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
