@@ -27,7 +27,8 @@ from kestrel.layers import fp8_matmul, fused, fused_moe, gated_delta_kernels, ge
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED_MEMORY = 227 * 1024  # per program, at most
 LAUNCH_OPTIONS = {"num_warps": 4, "num_stages": 2}
-BF16_ROW = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+BF16_ROW = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
+FOLDED_NORM = {"norm_ptr": "*bf16", "residual_ptr": "*bf16"}  # a layer's RMS norm inside its matvecs
 ATTENTION = {"query_ptr": "*bf16", "out_ptr": "*bf16", "seq_lens_ptr": "*i32", "page_table_ptr": "*i32"}
 ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "fp32"}
 ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32"}
@@ -56,12 +57,17 @@ CASES = {
     "gemv": (
         gemv._gemv_kernel,
         BF16_ROW,
-        dict(HAS_BIAS=True, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+        dict(HAS_BIAS=True, HAS_SCALE=False, NORMED=False, HAS_RESIDUAL=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
+    ),
+    "gemv_folded": (  # the norm before it inside, and the residual after it
+        gemv._gemv_kernel,
+        BF16_ROW | FOLDED_NORM,
+        dict(HAS_BIAS=True, HAS_SCALE=False, NORMED=True, HAS_RESIDUAL=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=2048),
     ),
     "gemv_float8": (
         gemv._gemv_kernel,
         BF16_ROW | {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-        dict(HAS_BIAS=False, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
+        dict(HAS_BIAS=False, HAS_SCALE=True, NORMED=False, HAS_RESIDUAL=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
     "int4_gemv": (  # a 4096-wide bf16 projection's codes, widened in registers
         int4_matmul.int4_gemv_kernel,
@@ -79,11 +85,15 @@ CASES = {
         {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
         dict(BLOCK_K=2048, DEPENDENT=True),
     ),
-    "gemv_silu_and_mul": (gemv._gemv_silu_and_mul_kernel, BF16_ROW, dict(DEPENDENT=True, BLOCK_N=1, BLOCK_K=4096)),
+    "gemv_silu_and_mul": (
+        gemv._gemv_silu_and_mul_kernel,
+        BF16_ROW | FOLDED_NORM,
+        dict(NORMED=True, DEPENDENT=True, BLOCK_N=1, BLOCK_K=4096),
+    ),
     "gemv_rotary": (
         gemv._gemv_rotary_kernel,
         BF16_ROW | {"cos_ptr": "*bf16", "sin_ptr": "*bf16"},
-        dict(HALF=64, HAS_BIAS=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
+        dict(HALF=64, HAS_BIAS=False, NORMED=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
     ),
     "rms_norm": (
         fused._rms_norm_kernel,
@@ -196,26 +206,27 @@ CASES = {
     ),
     "moe_router_matvec_routes": (  # Qwen3-Next at one row: 512 routed rows and the shared gate's
         fused_moe._gemv_route_kernel,
-        BF16_ROW | MOE_ROUTE | {"arrivals_ptr": "*i32"},
+        BF16_ROW | MOE_ROUTE | {"arrivals_ptr": "*i32", "norm_ptr": "*fp32"},
         dict(HAS_BIAS=False, TOP_K=10, NUM_SHARED=1, GATED=True, EXPERTS_POW2=512, SLOTS_POW2=16)
-        | dict(RENORMALIZE=True, DEPENDENT=True, BLOCK_N=4, BLOCK_K=1024),
+        | dict(RENORMALIZE=True, NORMED=True, DEPENDENT=True, BLOCK_N=4, BLOCK_K=1024),
     ),
     "moe_expert_gate_up": (  # a decode token's routed rows, one matvec each
         fused_moe._expert_gate_up_kernel,
-        {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
-        dict(WIDTH=8, HAS_SCALE=False, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True)
+        {"x_ptr": "*bf16", "w13_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16", "norm_ptr": "*bf16"}
+        | {"eps": "fp32"},
+        dict(WIDTH=8, HAS_SCALE=False, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, NORMED=True, DEPENDENT=True)
         | dict(BLOCK_N=2, BLOCK_K=2048),
     ),
     "moe_expert_gate_up_gpt_oss": (
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*bf16", "bias_ptr": "*bf16", "experts_ptr": "*i32", "out_ptr": "*bf16"},
-        dict(WIDTH=4, HAS_SCALE=False, HAS_BIAS=True, ACTIVATION=1, WEIGHT_INPUT=False, DEPENDENT=True)
+        dict(WIDTH=4, HAS_SCALE=False, HAS_BIAS=True, ACTIVATION=1, WEIGHT_INPUT=False, NORMED=False, DEPENDENT=True)
         | dict(BLOCK_N=2, BLOCK_K=4096),
     ),
     "moe_expert_gate_up_float8": (
         fused_moe._expert_gate_up_kernel,
         {"x_ptr": "*bf16", "w13_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32", "out_ptr": "*bf16"},
-        dict(WIDTH=8, HAS_SCALE=True, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, DEPENDENT=True)
+        dict(WIDTH=8, HAS_SCALE=True, HAS_BIAS=False, ACTIVATION=0, WEIGHT_INPUT=False, NORMED=False, DEPENDENT=True)
         | dict(BLOCK_N=2, BLOCK_K=2048),
     ),
     "moe_expert_down_sum": (
@@ -226,16 +237,17 @@ CASES = {
             "experts_ptr": "*i32",
             "weights_ptr": "*bf16",
             "out_ptr": "*bf16",
+            "residual_ptr": "*bf16",
         },
-        dict(
-            WIDTH=11, CHOICES=16, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=256
-        ),
+        dict(WIDTH=11, CHOICES=16, HAS_SCALE=False, HAS_BIAS=False, WEIGHTED=True, HAS_RESIDUAL=True, DEPENDENT=True)
+        | dict(BLOCK_N=2, BLOCK_K=256),
     ),
     "moe_expert_down_sum_float8": (
         fused_moe._expert_down_sum_kernel,
         {"activated_ptr": "*bf16", "w2_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "experts_ptr": "*i32"}
         | {"weights_ptr": "*bf16", "out_ptr": "*bf16", "bias_ptr": "*bf16"},
-        dict(WIDTH=8, CHOICES=8, HAS_SCALE=True, HAS_BIAS=True, WEIGHTED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=256),
+        dict(WIDTH=8, CHOICES=8, HAS_SCALE=True, HAS_BIAS=True, WEIGHTED=True, HAS_RESIDUAL=False, DEPENDENT=True)
+        | dict(BLOCK_N=2, BLOCK_K=256),
     ),
     "head_norm_partial_rotary": (  # Qwen3-Next: 64 of 256 columns rotated, a float32 folded weight
         fused._head_norm_rotary_kernel,
