@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="the full batch profiled")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="fp8: float8 weights quantized at load")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -150,6 +151,7 @@ def main() -> None:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         kv_cache_dtype=args.kv_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        quantization=args.quantization,
     )
     parts = llm.engine.parts
     graphs = parts.runner.graphs
