@@ -186,19 +186,37 @@ class DeepseekMoe(SparseMoe):
 
 
 class PairedRopeRows(ColumnParallelLinear):
-    """A projection whose rows hold, per head, `nope` dims then `rope` dims rotated in adjacent
-    pairs: the rope rows are reordered at load into the half-split layout."""
+    """A projection whose parts hold, per head, `nope` dims then `rope` dims rotated in
+    adjacent pairs (`rope_layouts`: a part's (nope, rope) widths; parts not named have no rope
+    rows): the rope rows are reordered at load into the half-split layout."""
 
-    def __init__(self, in_features: int, rows: ShardSlice, nope: int, rope: int, paired: bool, **kwargs) -> None:
-        super().__init__(in_features, {None: rows}, **kwargs)
-        self.nope, self.rope, self.paired = nope, rope, paired
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str | None, ShardSlice],
+        rope_layouts: dict[str | None, tuple[int, int]],
+        paired: bool,
+        **kwargs,
+    ) -> None:
+        super().__init__(in_features, shards, **kwargs)
+        self.rope_layouts, self.paired = rope_layouts, paired
 
     def load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | None) -> None:
-        if self.paired and param is self.weight and tensor.shape[0] % (self.nope + self.rope) == 0:
-            heads = tensor.unflatten(0, (-1, self.nope + self.rope))
-            rope = paired_to_halves(heads[:, self.nope :].flatten(0, 1), self.rope)
-            tensor = torch.cat((heads[:, : self.nope], rope.unflatten(0, (-1, self.rope))), dim=1).flatten(0, 1)
+        nope, rope = self.rope_layouts.get(shard_id, (0, 0))
+        if self.paired and rope and param is self.weight and tensor.shape[0] % (nope + rope) == 0:
+            heads = tensor.unflatten(0, (-1, nope + rope))
+            halves = paired_to_halves(heads[:, nope:].flatten(0, 1), rope)
+            tensor = torch.cat((heads[:, :nope], halves.unflatten(0, (-1, rope))), dim=1).flatten(0, 1)
         super().load_shard(param, tensor, shard_id)
+
+
+# The two projections of the layer's input, stacked into one (`MlaAttention.input_proj`): the
+# query's (V2) or its low-rank bottleneck's (V3), then the latent's.
+MLA_MAPPINGS = (
+    PackedMapping("self_attn.q_proj", "self_attn.input_proj", "query"),
+    PackedMapping("self_attn.q_a_proj", "self_attn.input_proj", "query"),
+    PackedMapping("self_attn.kv_a_proj_with_mqa", "self_attn.input_proj", "latent"),
+)
 
 
 class MlaAttention(nn.Module):
@@ -210,18 +228,24 @@ class MlaAttention(nn.Module):
         self.num_heads = self.layer_spec.num_heads  # this rank's
         heads = rank_slice(parallel, spec.num_heads * mla.query_dim, "num_attention_heads")
         paired = mla.paired_rope
+        # The query's projection and the latent's read the same input: one matvec (one GEMM)
+        # for both, where two launches a layer were most of a decode step's fixed cost.
+        latent = {"latent": ShardSlice.whole(mla.kv_lora_rank + mla.rope_dim)}
+        rope_layouts = {"latent": (mla.kv_lora_rank, mla.rope_dim)}
         if mla.q_lora_rank is None:
-            self.q_proj = PairedRopeRows(spec.hidden_size, heads, mla.nope_dim, mla.rope_dim, paired)
+            if spec.attention_bias:  # V2's q_proj has no bias where its latent's has one
+                raise ValueError("DeepSeek-V2 configs with attention_bias are not supported")
+            query = {"query": heads}
+            rope_layouts["query"] = (mla.nope_dim, mla.rope_dim)
         else:
-            whole = ShardSlice.whole(mla.q_lora_rank)
-            self.q_a_proj = ColumnParallelLinear(spec.hidden_size, {None: whole}, bias=spec.attention_bias)
+            query = {"query": ShardSlice.whole(mla.q_lora_rank)}
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, spec.rms_norm_eps)
-            self.q_b_proj = PairedRopeRows(mla.q_lora_rank, heads, mla.nope_dim, mla.rope_dim, paired)
+            head_rope = {None: (mla.nope_dim, mla.rope_dim)}
+            self.q_b_proj = PairedRopeRows(mla.q_lora_rank, {None: heads}, head_rope, paired)
         # The latent and the shared rotary key: one "head" of kv_lora_rank + rope dims,
         # whose first kv_lora_rank dims are not rotated.
-        latent = ShardSlice.whole(mla.kv_lora_rank + mla.rope_dim)
-        self.kv_a_proj_with_mqa = PairedRopeRows(
-            spec.hidden_size, latent, mla.kv_lora_rank, mla.rope_dim, paired, bias=spec.attention_bias
+        self.input_proj = PairedRopeRows(
+            spec.hidden_size, query | latent, rope_layouts, paired, bias=spec.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, spec.rms_norm_eps)
         # Read as two per-head matrices (`_up_projections`), never packed by quantization.
@@ -235,16 +259,16 @@ class MlaAttention(nn.Module):
         per_head = self.kv_b_proj.weight.view(self.num_heads, mla.nope_dim + mla.value_dim, mla.kv_lora_rank)
         return per_head[:, : mla.nope_dim], per_head[:, mla.nope_dim :]
 
-    def _query(self, hidden: torch.Tensor, norm: ops.RowNorm | None) -> torch.Tensor:
+    def _query(self, projected: torch.Tensor) -> torch.Tensor:
+        """The query from the input projection's query part (V3: through its bottleneck)."""
         if self.mla.q_lora_rank is None:
-            return self.q_proj(hidden, norm)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden, norm)))
+            return projected
+        return self.q_b_proj(self.q_a_layernorm(projected.contiguous()))
 
     def folds(self, hidden: torch.Tensor) -> bool:
-        """Whether a one-row `hidden` takes matvecs that fold the input norm (the query's and
-        the latent's projections both read it) and the residual add."""
-        query = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
-        return query.folds(hidden) and self.kv_a_proj_with_mqa.folds(hidden) and self.o_proj.folds(hidden)
+        """Whether a one-row `hidden` takes matvecs that fold the input norm (the input
+        projection reads it) and the residual add."""
+        return self.input_proj.folds(hidden) and self.o_proj.folds(hidden)
 
     def forward(
         self,
@@ -257,9 +281,9 @@ class MlaAttention(nn.Module):
         """Attention over norm(hidden) (with `norm`; else hidden as given), plus `residual`."""
         mla, tokens = self.mla, hidden.shape[0]
         cos, sin = rotary
-        query = self._query(hidden, norm).view(tokens, self.num_heads, mla.query_dim)
+        query_part, latent = self.input_proj.split(self.input_proj(hidden, norm))
+        query = self._query(query_part).view(tokens, self.num_heads, mla.query_dim)
         latent_norm = self.kv_a_layernorm
-        latent = self.kv_a_proj_with_mqa(hidden, norm)
         key = ops.latent_key(latent, latent_norm.effective_weight, latent_norm.eps, cos, sin)
         key_up, value_up = self._up_projections()
         absorbed = ops.absorb_query(query, key_up, cos, sin)
@@ -359,7 +383,7 @@ class DeepseekRecipe:
             SkippedPrefix(f"model.layers.{spec.first_mtp_layer + i}.", "multi-token prediction (the 'mtp' draft's)")
             for i in range(spec.mtp_layers)
         )
-        return decoder_bindings(model, spec, self._experts(spec), skipped=mtp, mappings=MLP_MAPPINGS)
+        return decoder_bindings(model, spec, self._experts(spec), skipped=mtp, mappings=MLA_MAPPINGS + MLP_MAPPINGS)
 
     def build_mtp(self, spec: DeepseekSpec, parallel: TensorParallel = SINGLE) -> nn.Module:
         """The checkpoint's MTP layer as speculative decoding's draft (models/mtp.py)."""
@@ -376,7 +400,7 @@ class DeepseekRecipe:
             TARGET_NORM,
             SkippedPrefix("lm_head.", f"LM head: {target}"),
         )
-        mappings = self._experts(spec) + MLP_MAPPINGS
+        mappings = self._experts(spec) + MLA_MAPPINGS + MLP_MAPPINGS
         return WeightBindings(model, mappings, skipped=skipped, renamed_prefixes={mtp_prefix: "mtp."})
 
     @staticmethod
