@@ -8,11 +8,16 @@ Face), so outputs agree bit for bit in float32 and to the last bf16 ulp otherwis
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
+
+if TYPE_CHECKING:
+    from kestrel.layers.ops import LatentKey
 
 
 @triton.jit
@@ -378,22 +383,46 @@ def _latent_key_kernel(
     """One token's latent key: its first `latent` columns normalised (rounded as
     `_rms_norm_kernel` rounds), the 2 * HALF after them rotated as `rotate_half_pair` rotates."""
     token = tl.program_id(0)
+    wait_for_inputs(DEPENDENT)
+    _latent_key_row(
+        kv_ptr + token * stride_kv,
+        weight_ptr,
+        cos_ptr + token * stride_cos,
+        sin_ptr + token * stride_cos,
+        out_ptr + token * (latent + 2 * HALF),
+        latent,
+        eps,
+        HALF,
+        BLOCK_LATENT,
+        BLOCK_HALF,
+    )
+
+
+@triton.jit
+def _latent_key_row(
+    row,
+    weight_ptr,
+    cos_row,
+    sin_row,
+    out_row,
+    latent,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_LATENT: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     cols = tl.arange(0, BLOCK_LATENT)
     inside = cols < latent
     weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    wait_for_inputs(DEPENDENT)
-    row = kv_ptr + token * stride_kv
-    out_row = out_ptr + token * (latent + 2 * HALF)
     x = tl.load(row + cols, mask=inside, other=0.0)
     x32 = x.to(tl.float32)
     inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / latent + eps)
     normed = (x32 * inverse_rms).to(x.dtype).to(tl.float32)
-    tl.store(out_row + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_row + cols, (weight * normed).to(out_row.dtype.element_ty), mask=inside)
     pair = tl.arange(0, BLOCK_HALF)
     in_half = pair < HALF
     first = tl.load(row + latent + pair, mask=in_half, other=0.0)
     second = tl.load(row + latent + HALF + pair, mask=in_half, other=0.0)
-    cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
     first, second = rotate_half_pair(first, second, cos_row, sin_row, pair, in_half, HALF)
     tl.store(out_row + latent + pair, first, mask=in_half)
     tl.store(out_row + latent + HALF + pair, second, mask=in_half)
@@ -439,24 +468,32 @@ def _absorb_query_kernel(
     cos_ptr,
     sin_ptr,
     out_ptr,
+    kv_ptr,
+    norm_weight_ptr,
+    key_out_ptr,
     tokens,
     stride_q_token,
     stride_q_head,
     stride_w_head,
     stride_w_row,
     stride_cos,
+    stride_kv,
     num_heads,
     nope,
     latent,
+    eps,
     HALF: tl.constexpr,
     BLOCK_NOPE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_LATENT: tl.constexpr,
+    WITH_KEY: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """Program (head, block): for every row, the head's nope query times its key
     up-projection's columns of this latent block, in float32, rounded once; the program past
-    the last block rotates the head's rope part (as `rotate_half_pair` does) instead."""
+    the last block rotates the head's rope part (as `rotate_half_pair` does) instead, and
+    head 0's also makes each row's latent key (WITH_KEY, as `_latent_key_kernel` does)."""
     head, block = tl.program_id(0), tl.program_id(1)
     width = latent + 2 * HALF
     out_head = out_ptr + head * width
@@ -473,6 +510,11 @@ def _absorb_query_kernel(
             out_row = out_head + token * num_heads * width + latent
             tl.store(out_row + pair, first, mask=in_half)
             tl.store(out_row + HALF + pair, second, mask=in_half)
+            if WITH_KEY and head == 0:
+                key_row = key_out_ptr + token * (latent + 2 * HALF)
+                kv_row = kv_ptr + token * stride_kv
+                args = (norm_weight_ptr, cos_row, sin_row, key_row, latent, eps)
+                _latent_key_row(kv_row, *args, HALF, BLOCK_LATENT, BLOCK_HALF)
     else:
         dims = tl.arange(0, BLOCK_NOPE)
         cols = block * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -488,35 +530,47 @@ def _absorb_query_kernel(
             tl.store(out_row + cols, absorbed.to(out_ptr.dtype.element_ty), mask=in_cols)
 
 
-def absorb_query(query: torch.Tensor, key_up: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`ops.absorb_query` in one launch (for a few rows: each program loops over them)."""
+def absorb_query(
+    query: torch.Tensor, key_up: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key: LatentKey | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`ops.absorb_query` in one launch (for a few rows: each program loops over them), and
+    with `key`, `ops.latent_key` of its rows in the same launch: (absorbed query, key or None)."""
     tokens, heads, _ = query.shape
     nope, latent = key_up.shape[1:]
     rope = cos.shape[-1]
     out = torch.empty((tokens, heads, latent + rope), dtype=query.dtype, device=query.device)
+    key_out = None if key is None else torch.empty((tokens, 1, latent + rope), dtype=query.dtype, device=query.device)
     if tokens:
+        kv, weight, eps = (key.kv, key.weight, key.eps) if key is not None else (query, query, 0.0)
         _absorb_query_kernel[(heads, triton.cdiv(latent, ABSORB_BLOCK) + 1)](
             query,
             key_up,
             cos,
             sin,
             out,
+            kv,
+            weight,
+            out if key_out is None else key_out,
             tokens,
             query.stride(0),
             query.stride(1),
             key_up.stride(0),
             key_up.stride(1),
             cos.stride(0),
+            kv.stride(0),
             heads,
             nope,
             latent,
+            eps,
             HALF=rope // 2,
             BLOCK_NOPE=triton.next_power_of_2(nope),
             BLOCK_L=ABSORB_BLOCK,
             BLOCK_HALF=triton.next_power_of_2(rope // 2),
+            BLOCK_LATENT=triton.next_power_of_2(latent),
+            WITH_KEY=key is not None,
             **dependent_launch_args(query.device),
         )
-    return out
+    return out, key_out
 
 
 # The row count changes from step to step: a compiled variant for each would stall serving.

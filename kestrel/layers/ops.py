@@ -243,6 +243,16 @@ def head_norm_rotary(
     return rotary(rms_norm(x.contiguous(), weight, eps), cos, sin)
 
 
+@dataclass(frozen=True)
+class LatentKey:
+    """What latent attention's key is made from: the latent projection's rows kv [tokens,
+    latent + rope] and the latent's RMS norm (`weight`, `eps`)."""
+
+    kv: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
 def latent_key(
     kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
@@ -265,15 +275,31 @@ def absorb_query(query: torch.Tensor, key_up: torch.Tensor, cos: torch.Tensor, s
     nope part times the head's key up-projection (key_up [heads, nope, latent]), then the
     rope part rotated; a new [tokens, heads, latent + rope]. One kernel on CUDA for a decode
     step's few rows."""
-    nope = key_up.shape[1]
-    row_major = query.stride(-1) == 1 and key_up.stride(-1) == 1 and cos.stride(-1) == 1
-    if runs_kernels(query) and query.shape[0] <= _LATENT_MATVEC_MAX_ROWS and row_major:
+    if _absorbs_in_kernel(query, key_up, cos):
         from kestrel.layers import fused
 
-        return fused.absorb_query(query, key_up, cos, sin)
+        return fused.absorb_query(query, key_up, cos, sin)[0]
+    nope = key_up.shape[1]
     # [heads, tokens, nope] @ [heads, nope, latent], back to [tokens, heads, latent].
     absorbed = torch.bmm(query[..., :nope].transpose(0, 1), key_up).transpose(0, 1)
     return torch.cat((absorbed, rotary(query[..., nope:], cos, sin)), dim=-1)
+
+
+def latent_query_and_key(
+    query: torch.Tensor, key_up: torch.Tensor, key: LatentKey, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`absorb_query` and `latent_key` of the same rows: at a decode step's few rows on CUDA
+    one launch makes both (head 0's rope program makes the key), where two were a layer's."""
+    if _absorbs_in_kernel(query, key_up, cos) and key.kv.stride(-1) == 1:
+        from kestrel.layers import fused
+
+        return fused.absorb_query(query, key_up, cos, sin, key)
+    return absorb_query(query, key_up, cos, sin), latent_key(key.kv, key.weight, key.eps, cos, sin)
+
+
+def _absorbs_in_kernel(query: torch.Tensor, key_up: torch.Tensor, cos: torch.Tensor) -> bool:
+    row_major = query.stride(-1) == 1 and key_up.stride(-1) == 1 and cos.stride(-1) == 1
+    return runs_kernels(query) and query.shape[0] <= _LATENT_MATVEC_MAX_ROWS and row_major
 
 
 def latent_values(attended: torch.Tensor, value_up: torch.Tensor) -> torch.Tensor:

@@ -284,9 +284,9 @@ class MlaAttention(nn.Module):
         query_part, latent = self.input_proj.split(self.input_proj(hidden, norm))
         query = self._query(query_part).view(tokens, self.num_heads, mla.query_dim)
         latent_norm = self.kv_a_layernorm
-        key = ops.latent_key(latent, latent_norm.effective_weight, latent_norm.eps, cos, sin)
+        latent_key = ops.LatentKey(latent, latent_norm.effective_weight, latent_norm.eps)
         key_up, value_up = self._up_projections()
-        absorbed = ops.absorb_query(query, key_up, cos, sin)
+        absorbed, key = ops.latent_query_and_key(query, key_up, latent_key, cos, sin)
         attended = context.attend(self.layer_index, absorbed, key, key[..., : mla.kv_lora_rank], self.layer_spec)
         return self.o_proj(ops.latent_values(attended, value_up), residual)
 

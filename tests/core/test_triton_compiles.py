@@ -280,8 +280,10 @@ CASES = {
     ),
     "absorb_query": (  # DeepSeek-V2-Lite: 128 nope dims into a 512-wide latent, 64 rope columns
         fused._absorb_query_kernel,
-        {"query_ptr": "*bf16", "key_up_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"},
-        dict(HALF=32, BLOCK_NOPE=128, BLOCK_L=fused.ABSORB_BLOCK, BLOCK_HALF=32, DEPENDENT=True),
+        {"query_ptr": "*bf16", "key_up_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"}
+        | {"kv_ptr": "*bf16", "norm_weight_ptr": "*bf16", "key_out_ptr": "*bf16", "eps": "fp32"},
+        dict(HALF=32, BLOCK_NOPE=128, BLOCK_L=fused.ABSORB_BLOCK, BLOCK_HALF=32, BLOCK_LATENT=512, DEPENDENT=True)
+        | dict(WITH_KEY=True),
     ),
     "latent_values": (  # DeepSeek-V2-Lite: 128 value dims a head from its 512-wide latent
         fused._latent_values_kernel,

@@ -187,12 +187,32 @@ def test_latent_attention_projections_match_the_batched_matmuls(dtype, tokens):
     projection = torch.randn(tokens, heads * (nope + rope), dtype=dtype, device=DEVICE)
     query = projection.view(tokens, heads, nope + rope)
     cos, sin = cos_sin(tokens, rope, dtype)
-    got = fused.absorb_query(query, key_up, cos, sin)
+    got, no_key = fused.absorb_query(query, key_up, cos, sin)
     expected = ops.absorb_query(query.cpu().clone(), key_up.cpu(), cos.cpu(), sin.cpu())
-    assert got.shape == (tokens, heads, latent + rope)
+    assert got.shape == (tokens, heads, latent + rope) and no_key is None
     close(got, expected.to(DEVICE))
     attended = torch.randn(tokens, heads, latent + rope, dtype=dtype, device=DEVICE)[..., :latent]
     got = fused.latent_values(attended, value_up)
     expected = ops.latent_values(attended.cpu(), value_up.cpu())
     assert got.shape == (tokens, heads * value) and got.is_contiguous()
     close(got, expected.to(DEVICE))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_absorbing_launch_makes_the_latent_key_as_its_own_kernel_does(dtype, tokens):
+    """The query and the latent read from one input projection's row (the model's layout):
+    the one launch gives the absorbed query and, bit for bit, `fused.latent_key`'s key."""
+    torch.manual_seed(10 + tokens)
+    heads, nope, rope, latent = 3, 24, 8, 72
+    key_up = torch.randn(heads, nope, latent, dtype=dtype, device=DEVICE) * 0.2
+    projection = torch.randn(tokens, heads * (nope + rope) + latent + rope, dtype=dtype, device=DEVICE)
+    query = projection[:, : heads * (nope + rope)].view(tokens, heads, nope + rope)
+    kv = projection[:, heads * (nope + rope) :]
+    norm_weight = torch.rand(latent, dtype=dtype, device=DEVICE) + 0.5
+    cos, sin = cos_sin(tokens, rope, dtype)
+    absorbed, key = fused.absorb_query(query, key_up, cos, sin, ops.LatentKey(kv, norm_weight, 1e-6))
+    assert torch.equal(absorbed, fused.absorb_query(query, key_up, cos, sin)[0])
+    assert torch.equal(key, fused.latent_key(kv, norm_weight, 1e-6, cos, sin))
+    expected = ops.latent_key(kv.cpu(), norm_weight.cpu(), 1e-6, cos.cpu(), sin.cpu())
+    close(key, expected.to(DEVICE))
