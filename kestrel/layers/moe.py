@@ -164,18 +164,14 @@ class SparseMoe(nn.Module):
         bias: torch.Tensor | None = None,
         gated_shared: int = 0,
         norm: ops.RowNorm | None = None,
-        ungated_shared: int = 0,
-        routed_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`route` of one row (or of norm(row)) in one launch (`gemv_route`): the router's
         matvec, whose last program routes. `router` may carry `gated_shared` rows of
-        always-on experts' gates; else `ungated_shared` always-on experts follow the routed
-        choices with weight 1, and the routed weights are scaled by `routed_scale`."""
+        always-on experts' gates."""
         from kestrel.layers.fused_moe import gemv_route
 
         args = (self.num_experts, self.top_k, self.renormalize, gated_shared)
-        shared = dict(num_always_on=ungated_shared, routed_scale=routed_scale)
-        return gemv_route(hidden, router, bias, *args, norm=norm, **shared)
+        return gemv_route(hidden, router, bias, *args, norm=norm)
 
     def pick(
         self,
