@@ -5,9 +5,8 @@ the rotary key dims, shared by every query head; the values are the latents them
 (`KVLayerCache.values_in_keys`). Decode (`mla_decode_kernel`): one program per (sequence,
 block of query heads, split); each key block is read once for the block's heads, the scores
 are latent and rotary dots summed, the weights multiply the same latent tile. Splits are
-merged as the paged backend's decode merges them (the last to finish combines). Prefill runs
-the torch reference (one attention per sequence over its gathered pages): correct, and
-outside the decode graphs.
+merged as the paged backend's decode merges them (the last to finish combines). Prefill runs the torch reference
+(one attention per sequence over its gathered pages): correct, and outside the decode graphs.
 """
 
 from __future__ import annotations
@@ -188,11 +187,6 @@ def mla_decode_kernel(
     seq = tl.program_id(0)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    blocks = tl.cdiv(seq_len, BLOCK_N)
-    blocks_per_split = tl.maximum(tl.cdiv(blocks, num_splits), MIN_SPLIT_BLOCKS)
-    used_splits = tl.cdiv(blocks, blocks_per_split)
-    if split >= used_splits:  # the splits past the blocks hold nothing
-        return
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
     latent_dims = tl.arange(0, BLOCK_L)
@@ -206,6 +200,9 @@ def mla_decode_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
     row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    blocks = tl.cdiv(seq_len, BLOCK_N)
+    blocks_per_split = tl.maximum(tl.cdiv(blocks, num_splits), MIN_SPLIT_BLOCKS)
+    used_splits = tl.cdiv(blocks, blocks_per_split)
     begin = split * blocks_per_split * BLOCK_N
     end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
     table_row = page_table_ptr + seq * stride_page_table
@@ -223,19 +220,20 @@ def mla_decode_kernel(
         weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
         acc = acc * rescale[:, None]
         acc += tl.dot(weights.to(latents.dtype), latents, input_precision=PRECISION).to(tl.float32)
-    _finish_split(
-        acc,
-        row_max,
-        row_sum,
-        out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + latent_dims[None, :],
-        partial_out_ptr,
-        partial_lse_ptr,
-        (seq * num_heads + heads) * num_splits,
-        arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1),
-        split,
-        used_splits,
-        head_ok,
-        latent_dims,
-        LATENT,
-        SPLIT,
-    )
+    if split < used_splits:  # the splits past them hold no keys
+        _finish_split(
+            acc,
+            row_max,
+            row_sum,
+            out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + latent_dims[None, :],
+            partial_out_ptr,
+            partial_lse_ptr,
+            (seq * num_heads + heads) * num_splits,
+            arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1),
+            split,
+            used_splits,
+            head_ok,
+            latent_dims,
+            LATENT,
+            SPLIT,
+        )
