@@ -267,9 +267,95 @@ def decode_kernel(
     blocks = tl.cdiv(seq_len - first_block, BLOCK_N)
     blocks_per_split = tl.maximum(tl.cdiv(blocks, num_splits), MIN_SPLIT_BLOCKS)
     used_splits = tl.cdiv(blocks, blocks_per_split)
-    if split >= used_splits:  # the splits past the blocks hold nothing
-        return
-    begin = first_block + split * blocks_per_split * BLOCK_N
+    if split < used_splits:
+        _decode_split(
+            query_ptr,
+            key_cache_ptr,
+            value_cache_ptr,
+            out_ptr,
+            page_table_ptr,
+            stride_query_token,
+            stride_query_head,
+            stride_out_token,
+            stride_out_head,
+            stride_cache_head,
+            stride_cache_page,
+            stride_cache_slot,
+            stride_page_table,
+            partial_out_ptr,
+            partial_lse_ptr,
+            arrivals_ptr,
+            sinks_ptr,
+            scale,
+            window,
+            chunk,
+            num_splits,
+            seq,
+            kv_head,
+            split,
+            seq_len,
+            first_block + split * blocks_per_split * BLOCK_N,
+            blocks_per_split,
+            used_splits,
+            GROUP,
+            GROUP_PAD,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            BLOCK_N,
+            PRECISION,
+            SPLIT,
+            DOTS_IN_FP16,
+            VALUES_BY_SLOT,
+            WHOLE_BLOCKS,
+            HAS_SINKS,
+        )
+
+
+@triton.jit
+def _decode_split(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    page_table_ptr,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_head,
+    stride_cache_page,
+    stride_cache_slot,
+    stride_page_table,
+    partial_out_ptr,
+    partial_lse_ptr,
+    arrivals_ptr,
+    sinks_ptr,
+    scale,
+    window,
+    chunk,
+    num_splits,
+    seq,
+    kv_head,
+    split,
+    seq_len,
+    begin,
+    blocks_per_split,
+    used_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOTS_IN_FP16: tl.constexpr,
+    VALUES_BY_SLOT: tl.constexpr,
+    WHOLE_BLOCKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """decode_kernel's work for one split that holds key blocks, from `begin` on."""
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < GROUP
