@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
 from kestrel.layers.fused import rotate_half_pair
-from kestrel.layers.ops import HeadNorms, HeadRotation, RowNorm
+from kestrel.layers.ops import HeadRotation, RowNorm
 
 TIMING_REPEATS = 20
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -219,32 +219,17 @@ def _gemv_rotary_kernel(
     stride_w,
     ROTATED_ROWS,
     eps,
-    q_weight_ptr,
-    k_weight_ptr,
-    arrivals_ptr,
-    QUERY_ROWS,
-    head_eps,
     HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORMED: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    HEAD_NORMS: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """w @ x (+ bias) for the row pairs (d, d + HALF) of each head (NORMED: w @ RMSNorm(x),
     `row_dots`; HAS_SCALE: float8 rows, each dot times its row's scale); pairs in the first
-    ROTATED_ROWS rows are then rotated by cos/sin [1, 2 * HALF] (rotate-half layout).
-
-    HEAD_NORMS: each rotated head is first RMS-normalised over its 2 * HALF rows (with
-    q_weight in the first QUERY_ROWS rows, k_weight after): a program's pairs lie in one
-    head (BLOCK_N divides HALF), it stores them as they are, and the head's last program to
-    arrive (counted in `arrivals`, one per head, set back to zero by it) normalises and
-    rotates the whole head."""
-    if HEAD_NORMS:
-        tl.static_assert(HALF % BLOCK_N == 0, "a program's pairs must lie in one head")
+    ROTATED_ROWS rows are then rotated by cos/sin [1, 2 * HALF] (rotate-half layout)."""
     pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = pairs < PAIRS
     half = pairs % HALF
@@ -262,58 +247,9 @@ def _gemv_rotary_kernel(
     first = first.to(out_ptr.dtype.element_ty)
     second = second.to(out_ptr.dtype.element_ty)
     rotated = in_rows & (first_rows < ROTATED_ROWS)
-    if HEAD_NORMS:
-        tl.store(out_ptr + first_rows, first, mask=in_rows)
-        tl.store(out_ptr + first_rows + HALF, second, mask=in_rows)
-        head = tl.program_id(0) * BLOCK_N // HALF
-        if head * 2 * HALF < ROTATED_ROWS:
-            # Every thread's stores, then one release: the head's last program acquires them all.
-            tl.debug_barrier()
-            if tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel", scope="gpu") == HALF // BLOCK_N - 1:
-                _norm_and_rotate_head(
-                    out_ptr, head, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, QUERY_ROWS, head_eps, HALF, BLOCK_HALF
-                )
-                tl.atomic_xchg(arrivals_ptr + head, 0, sem="relaxed", scope="gpu")
-    else:
-        new_first, new_second = rotate_half_pair(first, second, cos_ptr, sin_ptr, half, rotated, HALF)
-        tl.store(out_ptr + first_rows, tl.where(rotated, new_first, first), mask=in_rows)
-        tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second, second), mask=in_rows)
-
-
-@triton.jit
-def _norm_and_rotate_head(
-    out_ptr,
-    head,
-    q_weight_ptr,
-    k_weight_ptr,
-    cos_ptr,
-    sin_ptr,
-    QUERY_ROWS,
-    eps,
-    HALF: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One head of `out`, in place: RMS-normalised and rotated, rounded as the separate
-    norm-and-rotary kernel rounds (fused._qk_norm_rotary_kernel), read from L2 (".cg"):
-    other programs, on other multiprocessors, wrote most of it."""
-    cols = tl.arange(0, BLOCK)
-    inside = cols < HALF
-    base = out_ptr + head * 2 * HALF
-    first = tl.load(base + cols, mask=inside, other=0.0, cache_modifier=".cg")
-    second = tl.load(base + HALF + cols, mask=inside, other=0.0, cache_modifier=".cg")
-    dtype = first.dtype
-    first32, second32 = first.to(tl.float32), second.to(tl.float32)
-    inverse_rms = 1.0 / tl.sqrt((tl.sum(first32 * first32, 0) + tl.sum(second32 * second32, 0)) / (2 * HALF) + eps)
-    weight_ptr = q_weight_ptr
-    if head * 2 * HALF >= QUERY_ROWS:
-        weight_ptr = k_weight_ptr
-    weight_first = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    weight_second = tl.load(weight_ptr + HALF + cols, mask=inside, other=0.0).to(tl.float32)
-    first = (weight_first * (first32 * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
-    second = (weight_second * (second32 * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
-    first, second = rotate_half_pair(first, second, cos_ptr, sin_ptr, cols, inside, HALF)
-    tl.store(base + cols, first, mask=inside)
-    tl.store(base + HALF + cols, second, mask=inside)
+    new_first, new_second = rotate_half_pair(first, second, cos_ptr, sin_ptr, half, rotated, HALF)
+    tl.store(out_ptr + first_rows, tl.where(rotated, new_first, first), mask=in_rows)
+    tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second, second), mask=in_rows)
 
 
 MATVEC_CONFIGS = [
@@ -332,9 +268,6 @@ _tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH
     _gemv_silu_and_mul_kernel
 )
 _tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K", "NORMED"])(_gemv_rotary_kernel)
-_tuned_head_norms_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K", "NORMED", "HALF"])(
-    _gemv_rotary_kernel
-)
 
 
 def gemv(
@@ -392,61 +325,21 @@ def gemv_rotary(
     config: triton.Config | None = None,
     norm: RowNorm | None = None,
     scale: torch.Tensor | None = None,
-    head_norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or norm(x)) @ weight[N, K].T (+ bias) -> [1, N], with `rotation` (cos and
-    sin [1, head_dim]) applied to its first heads, after `head_norms` where given (each of
-    those heads RMS-normalised first); `scale` [N] as `gemv`'s (a float8 weight)."""
+    sin [1, head_dim]) applied to its first heads; `scale` [N] as `gemv`'s (a float8 weight)."""
     head_dim, cos, sin = rotation.head_dim, rotation.cos, rotation.sin
     rows, k = _check_operands(x, weight)
     if rows % head_dim or head_dim % 2 or cos.shape != (1, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"gemv_rotary takes heads of {head_dim} rows and cos/sin [1, {head_dim}]")
     out = torch.empty((1, rows), dtype=x.dtype, device=x.device)
-    pairs, half = rows // 2, head_dim // 2
+    pairs = rows // 2
     args = (x.contiguous(), weight, _or(bias, out), out, cos, sin, _norm_weight(norm, out), _or(scale, out), pairs, k)
     args += (weight.stride(0), rotation.heads * head_dim, _eps(norm))
-    if head_norms is None:
-        args += (out, out, out, 0, 0.0)  # never read
-    else:
-        arrivals = arrival_counters(x.device, rotation.heads, "gemv_rotary")
-        args += (head_norms.q_weight, head_norms.k_weight, arrivals, head_norms.query_heads * head_dim, head_norms.eps)
-    given = dict(HAS_BIAS=bias, NORMED=norm, HAS_SCALE=scale, HEAD_NORMS=head_norms)
-    constants = {name: value is not None for name, value in given.items()}
-    constants |= {"HALF": half, "BLOCK_HALF": triton.next_power_of_2(half)}
-    tuned = _tuned_rotary_kernel
-    if head_norms is not None:  # a program's pairs must lie in one head; tuned apart
-        tuned, config = _tuned_head_norms_kernel, config or _head_norms_config(half, x.device)
-    launch_rows(_gemv_rotary_kernel, tuned, pairs, config, args, **constants)
+    given = dict(HAS_BIAS=bias, NORMED=norm, HAS_SCALE=scale)
+    constants = {name: value is not None for name, value in given.items()} | {"HALF": head_dim // 2}
+    launch_rows(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
     return out
-
-
-def _head_norms_config(half: int, device: torch.device) -> triton.Config | None:
-    """The launch of a matvec with head norms: autotuned (None) where every tuned launch keeps
-    a program in one head of `half` row pairs, else one pair per program."""
-    configs = MATVEC_CONFIGS if device.type == "cuda" else [INTERPRETER_CONFIG]
-    if all(half % config.kwargs["BLOCK_N"] == 0 for config in configs):
-        return None if device.type == "cuda" else INTERPRETER_CONFIG
-    return triton.Config({"BLOCK_N": 1, "BLOCK_K": configs[-1].kwargs["BLOCK_K"]}, num_warps=4)
-
-
-# Arrival counters per device and use, zero between launches (each launch's last programs
-# set theirs back). Launches on one device run one after another in stream order, which all
-# of Kestrel's forward passes do; two streams at once on one device would share them.
-_arrivals: dict[tuple[torch.device, str], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, count: int, use: str) -> torch.Tensor:
-    """At least `count` counters at zero on `device` for `use` (a kernel's name), made or
-    grown before any graph capture."""
-    counters = _arrivals.get((device, use))
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Made inside a capture, their zeroing would run at replay only, not before.
-            raise RuntimeError(f"{use}'s first call must come before graph capture (a warm-up forward)")
-        # Room for any model's heads at once, so that no later model (a draft model's, say)
-        # grows them and frees counters an earlier capture holds.
-        counters = _arrivals[(device, use)] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-    return counters
 
 
 def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:

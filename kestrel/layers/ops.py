@@ -113,17 +113,6 @@ class HeadRotation:
     head_dim: int
 
 
-@dataclass(frozen=True)
-class HeadNorms:
-    """Per-head RMS norms of a qkv projection's heads: `query_heads` heads with `q_weight`,
-    then the key heads with `k_weight` ([head_dim] each)."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    query_heads: int
-
-
 def linear_rotary(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -131,33 +120,17 @@ def linear_rotary(
     rotation: HeadRotation,
     use_gemv: bool = False,
     norm: RowNorm | None = None,
-    head_norms: HeadNorms | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) (of norm(x) with `norm`) with `rotation` applied, after
-    `head_norms` where given: one kernel where a one-row linear takes the Triton matvec and
-    the rotary dim is the head's."""
+    """x @ weight.T (+ bias) (of norm(x) with `norm`) with `rotation` applied: one kernel where
+    a one-row linear takes the Triton matvec and the rotary dim is the head's."""
     rows = matvec_rows(x, weight, use_gemv)
     if rotation.cos.shape[-1] == rotation.head_dim and rows is not None:
         from kestrel.layers import gemv
 
-        return gemv.gemv_rotary(x, rows.values, bias, rotation, norm=norm, scale=rows.scales, head_norms=head_norms)
+        return gemv.gemv_rotary(x, rows.values, bias, rotation, norm=norm, scale=rows.scales)
     out = linear(x, weight, bias, use_gemv, norm=norm)
     tokens, width = out.shape[0], rotation.heads * rotation.head_dim
     heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
-    if head_norms is not None:
-        first_key = head_norms.query_heads
-        query, key = qk_norm_rotary(
-            heads[:, :first_key],
-            heads[:, first_key:],
-            head_norms.q_weight,
-            head_norms.k_weight,
-            head_norms.eps,
-            rotation.cos,
-            rotation.sin,
-        )
-        if query.data_ptr() != heads.data_ptr():  # out of place: the CPU, or a partial rotary dim
-            heads[:, :first_key], heads[:, first_key:] = query, key
-        return out
     rotated = rotary(heads, rotation.cos, rotation.sin)
     if rotated is not heads:  # rotated out of place: the CPU, or a partial rotary dim on CUDA
         out[:, :width] = rotated.reshape(tokens, width)

@@ -93,18 +93,27 @@ class DecoderAttention(nn.Module):
         spec = self.layer_spec
         tokens = hidden.shape[0]
         cos, sin = rotary
-        # q and k sit side by side in each row of qkv: one rotary pass for both (after their
-        # head norms, where the family has them), inside the projection's own kernel where it can be.
-        rotation = ops.HeadRotation(cos, sin, spec.num_heads + spec.num_kv_heads, spec.head_dim)
-        head_norms = None
-        if self.q_norm is not None:
-            q_weight, k_weight = self.q_norm.effective_weight, self.k_norm.effective_weight
-            head_norms = ops.HeadNorms(q_weight, k_weight, self.q_norm.eps, spec.num_heads)
-        qkv_proj = self.qkv_proj
-        qkv = ops.linear_rotary(hidden, qkv_proj.weight, qkv_proj.bias, rotation, qkv_proj.use_gemv, norm, head_norms)
-        query, key, value = self.qkv_proj.split(qkv)
-        query = query.view(tokens, spec.num_heads, spec.head_dim)
-        key = key.view(tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is None:
+            # q and k sit side by side in each row of qkv: one rotary pass for both, inside
+            # the projection's own kernel where it can be.
+            rotation = ops.HeadRotation(cos, sin, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+            qkv_proj = self.qkv_proj
+            qkv = ops.linear_rotary(hidden, qkv_proj.weight, qkv_proj.bias, rotation, qkv_proj.use_gemv, norm)
+            query, key, value = self.qkv_proj.split(qkv)
+            query = query.view(tokens, spec.num_heads, spec.head_dim)
+            key = key.view(tokens, spec.num_kv_heads, spec.head_dim)
+        else:
+            qkv = self.qkv_proj(hidden, norm)
+            query, key, value = self.qkv_proj.split(qkv)
+            query, key = ops.qk_norm_rotary(
+                query.view(tokens, spec.num_heads, spec.head_dim),
+                key.view(tokens, spec.num_kv_heads, spec.head_dim),
+                self.q_norm.effective_weight,
+                self.k_norm.effective_weight,
+                self.q_norm.eps,
+                cos,
+                sin,
+            )
         value = value.view(tokens, spec.num_kv_heads, spec.head_dim)
         attended = context.attend(self.layer_index, query, key, value, spec, sinks=self.sinks)
         return self.o_proj(attended.reshape(tokens, spec.num_heads * spec.head_dim), residual)

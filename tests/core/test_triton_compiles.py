@@ -99,23 +99,12 @@ CASES = {
     "gemv_rotary": (
         gemv._gemv_rotary_kernel,
         BF16_ROW | {"cos_ptr": "*bf16", "sin_ptr": "*bf16"},
-        dict(HALF=64, BLOCK_HALF=64, HAS_BIAS=False, NORMED=False, HAS_SCALE=False, HEAD_NORMS=False)
-        | dict(DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
-    ),
-    "gemv_rotary_head_norms": (  # Qwen3's query and key norms, finished by each head's last program
-        gemv._gemv_rotary_kernel,
-        BF16_ROW
-        | FOLDED_NORM
-        | {"cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_weight_ptr": "*bf16"}
-        | {"k_weight_ptr": "*bf16", "arrivals_ptr": "*i32", "head_eps": "fp32"},
-        dict(HALF=64, BLOCK_HALF=64, HAS_BIAS=False, NORMED=True, HAS_SCALE=False, HEAD_NORMS=True)
-        | dict(DEPENDENT=True, BLOCK_N=4, BLOCK_K=1024),
+        dict(HALF=64, HAS_BIAS=False, NORMED=False, HAS_SCALE=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
     ),
     "gemv_rotary_float8": (
         gemv._gemv_rotary_kernel,
         BF16_ROW | FOLDED_NORM | {"cos_ptr": "*bf16", "sin_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-        dict(HALF=64, BLOCK_HALF=64, HAS_BIAS=False, NORMED=True, HAS_SCALE=True, HEAD_NORMS=False)
-        | dict(DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
+        dict(HALF=64, HAS_BIAS=False, NORMED=True, HAS_SCALE=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
     ),
     "rms_norm": (
         fused._rms_norm_kernel,

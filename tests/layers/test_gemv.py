@@ -166,33 +166,6 @@ def test_gemv_folds_the_input_norm_and_the_residual_add(dtype, norm_dtype, n, k,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("head_dim", "block_n"), [(16, 2), (16, 8), (12, None)])  # None: the default launch
-def test_gemv_rotary_with_head_norms_is_the_linear_then_the_norm_and_rotary_kernel(dtype, head_dim, block_n):
-    """Each query and key head normalised by its last program to finish, then rotated: the
-    same bits as the linear then the separate norm-and-rotary kernel, call after call (each
-    call leaves its arrival counters at zero). A head of 6 row pairs takes one pair per
-    program by default (the interpreter's launch takes 4)."""
-    torch.manual_seed(head_dim)
-    query_heads, key_heads, value_heads, k = 3, 2, 2, 96
-    heads = query_heads + key_heads + value_heads
-    x = torch.randn(1, k, device=DEVICE).to(dtype)
-    weight = torch.randn(heads * head_dim, k, device=DEVICE).to(dtype)
-    q_weight, k_weight = (torch.rand(head_dim, device=DEVICE).to(dtype) + 0.5 for _ in range(2))
-    angles = torch.rand(1, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    config = None if block_n is None else triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32})
-    rotation = ops.HeadRotation(cos, sin, query_heads + key_heads, head_dim)
-    head_norms = ops.HeadNorms(q_weight, k_weight, 1e-6, query_heads)
-    separate = gemv.gemv(x, weight, config=config or gemv.INTERPRETER_CONFIG)
-    rotated = separate[:, : rotation.heads * head_dim].view(1, rotation.heads, head_dim)
-    fused.qk_norm_rotary_(rotated, query_heads, q_weight, k_weight, 1e-6, cos, sin)
-    for _ in range(3):
-        got = gemv.gemv_rotary(x, weight, None, rotation, config=config, head_norms=head_norms)
-        assert torch.equal(got, separate)
-    assert gemv.arrival_counters(x.device, 1, "gemv_rotary").abs().sum() == 0
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_silu_and_mul_and_gemv_rotary_fold_the_input_norm(dtype):
     torch.manual_seed(5)
     head_dim, k = 16, 72
