@@ -149,7 +149,7 @@ CASES = {
         triton_mla.mla_decode_kernel,
         ATTENTION | {"cache_ptr": "*bf16"},
         dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
-        | dict(SPLIT=True, MIN_SPLIT_BLOCKS=4, DEPENDENT=True),
+        | dict(SPLIT=True, DEPENDENT=True),
     ),
     "decode_split_sinks_bf16": (
         attention.decode_kernel,
@@ -162,7 +162,12 @@ CASES = {
         triton_mla.mla_decode_kernel,
         ATTENTION | {"cache_ptr": "*fp8e4nv"},
         dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
-        | dict(SPLIT=False, MIN_SPLIT_BLOCKS=4, DEPENDENT=True),
+        | dict(SPLIT=False, DEPENDENT=True),
+    ),
+    "combine_splits": (
+        attention.combine_splits_kernel,
+        ATTENTION,
+        dict(HEAD_DIM=128, BLOCK_D=128, SPLITS_PAD=16, DEPENDENT=True),
     ),
     "prefill_float8": (
         attention.prefill_kernel,

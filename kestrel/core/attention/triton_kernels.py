@@ -7,7 +7,7 @@
   are taken BLOCK_N at a time, across several pages, so each step does a sizeable dot. When
   a batch has too few (sequence, kv head) pairs to fill the GPU, the keys are split across
   programs (flash-decoding), and the last split of each to finish merges their partial
-  softmaxes.
+  softmaxes (latent attention's decode merges its own in `combine_splits_kernel`).
 - `prefill_kernel`: one program per (sequence, query head, block of query rows), the last
   blocks first; walks the sequence's pages (cached prefix and new tokens alike) with
   causal and window masks.
@@ -380,7 +380,7 @@ def _decode_split(
     # read first, without masks; else every block is masked, in one loop.
     whole_end = begin
     if WHOLE_BLOCKS:
-        whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N
+        whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N  # an empty split: none
         whole_end = tl.where((window == 0) & (chunk == 0), begin + whole_blocks * BLOCK_N, begin)
     query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
     for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
@@ -411,68 +411,29 @@ def _decode_split(
             VALUES_BY_SLOT,
             masked == 1,
         )
-    out_ptrs = out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
-    first_partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits
-    counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-    _finish_split(
-        acc,
-        row_max,
-        row_sum,
-        out_ptrs,
-        partial_out_ptr,
-        partial_lse_ptr,
-        first_partial,
-        counter,
-        split,
-        used_splits,
-        row_ok,
-        dims,
-        HEAD_DIM,
-        SPLIT,
-    )
-
-
-@triton.jit
-def _finish_split(
-    acc,
-    row_max,
-    row_sum,
-    out_ptrs,
-    partial_out_ptr,
-    partial_lse_ptr,
-    first_partial,
-    counter,
-    split,
-    used_splits,
-    row_ok,
-    dims,
-    WIDTH: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """A decode program's output rows (`acc` over `row_sum`), or, where its sequence's keys
-    took several splits, its partial rows [seq, head, split, WIDTH] and base-2 log-sum-exps
-    [seq, head, split] (rows from `first_partial`); the split that arrives last at `counter`
-    combines them into the output and sets the counter back to zero."""
-    mask = row_ok[:, None] & (dims < WIDTH)[None, :]
-    empty = row_sum == 0.0  # padded rows saw nothing
-    out = acc / tl.where(empty, 1.0, row_sum)[:, None]
+    seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
+    out = acc / seen[:, None]
+    out_offsets = seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
     if SPLIT:
         if used_splits == 1:
-            tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
-        else:
-            lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
+            first_partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits
+            empty = row_sum == 0.0
+            lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))  # base 2
             tl.store(partial_lse_ptr + first_partial + split, lse, mask=row_ok)
-            tl.store(partial_out_ptr + (first_partial + split)[:, None] * WIDTH + dims[None, :], out, mask=mask)
+            tl.store(partial_out_ptr + (first_partial + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
             # Every thread's stores, then one release: the split that arrives last acquires them all.
             tl.debug_barrier()
+            counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used_splits - 1:
                 combined = _combine_partials(
-                    partial_out_ptr, partial_lse_ptr, first_partial, used_splits, row_ok, dims, WIDTH
+                    partial_out_ptr, partial_lse_ptr, first_partial, used_splits, row_ok, dims, HEAD_DIM
                 )
-                tl.store(out_ptrs, combined.to(out_ptrs.dtype.element_ty), mask=mask)
+                tl.store(out_ptr + out_offsets, combined.to(out_ptr.dtype.element_ty), mask=io_mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -502,6 +463,43 @@ def _combine_partials(
         total = total * rescale + weight
         top = new_top
     return acc / tl.where(total == 0.0, 1.0, total)[:, None]
+
+
+# Values that change from step to step: a compiled variant for each would stall serving.
+@triton.jit(do_not_specialize=("num_splits",))
+def combine_splits_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    stride_out_token,
+    stride_out_head,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
+    """One program per (sequence, query head): the splits' outputs weighted by their share
+    of the softmax mass (2 to the power of each split's base-2 log-sum-exp)."""
+    wait_for_inputs(DEPENDENT)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    in_split = splits < num_splits
+    first = (seq * tl.num_programs(1) + head) * num_splits
+    lse = tl.load(partial_lse_ptr + first + splits, mask=in_split, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
+    mask = in_split[:, None] & (dims < HEAD_DIM)[None, :]
+    parts = tl.load(partial_out_ptr + (first + splits)[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + seq * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 # Values and per-step arrays (whose alignment varies) that change from step to step: a

@@ -5,7 +5,7 @@ the rotary key dims, shared by every query head; the values are the latents them
 (`KVLayerCache.values_in_keys`). Decode (`mla_decode_kernel`): one program per (sequence,
 block of query heads, split); each key block is read once for the block's heads, the scores
 are latent and rotary dots summed, the weights multiply the same latent tile. Splits are
-merged as the paged backend's decode merges them (the last to finish combines). Prefill runs the torch reference
+merged by `combine_splits_kernel`. Prefill runs the torch reference
 (one attention per sequence over its gathered pages): correct, and outside the decode graphs.
 """
 
@@ -18,13 +18,11 @@ import triton.language as tl
 from kestrel.core.attention.base import LATENT_KV, AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.torch_ref import prefill_attention as torch_prefill_attention
 from kestrel.core.attention.torch_ref import raw_bytes
-from kestrel.core.attention.triton_kernels import LOG2E, _finish_split, _softmax_step
+from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step, combine_splits_kernel
 from kestrel.core.attention.triton_paged import (
-    MIN_SPLIT_BLOCKS,
     TritonPagedBackend,
     decode_splits,
     page_size_of,
-    split_arrivals,
     split_partials,
 )
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
@@ -94,21 +92,17 @@ def mla_decode_attention(
     output: torch.Tensor,
     num_splits: int | None = None,
     workspace: Workspace | None = None,
-    min_split_blocks: int = MIN_SPLIT_BLOCKS,
 ) -> None:
     """query [rows, heads, latent + rope] over the latent pool; output [rows, heads, latent].
-    Splits as the paged backend's decode: by the batch's shape alone (graph-safe), each
-    taking at least `min_split_blocks` key blocks."""
+    Splits as the paged backend's decode: by the batch's shape alone (graph-safe)."""
     latent, rope = layer.latent_dim, layer.head_dim - layer.latent_dim
     heads = layer.num_heads
-    head_blocks = triton.cdiv(heads, HEAD_BLOCK)
-    splits = num_splits or decode_splits(meta.num_seqs, head_blocks, query.device)
-    partial_out = partial_lse = arrivals = output  # unused without splits
+    splits = num_splits or decode_splits(meta.num_seqs, triton.cdiv(heads, HEAD_BLOCK), query.device)
+    partial_out = partial_lse = output  # unused without splits
     if splits > 1:
         partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits, latent)
-        arrivals = split_arrivals(workspace, query.device, meta.num_seqs * head_blocks)
     keys = cache.key
-    mla_decode_kernel[(meta.num_seqs, head_blocks, splits)](
+    mla_decode_kernel[(meta.num_seqs, triton.cdiv(heads, HEAD_BLOCK), splits)](
         query,
         keys,
         output,
@@ -123,7 +117,6 @@ def mla_decode_attention(
         meta.page_table.stride(0),
         partial_out,
         partial_lse,
-        arrivals,
         layer.scale,
         splits,
         heads,
@@ -136,11 +129,23 @@ def mla_decode_attention(
         BLOCK_N=KEY_BLOCK,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SPLIT=splits > 1,
-        MIN_SPLIT_BLOCKS=min_split_blocks,
         num_warps=4,
         num_stages=2,
         **dependent_launch_args(query.device),
     )
+    if splits > 1:
+        combine_splits_kernel[(meta.num_seqs, heads)](
+            partial_out,
+            partial_lse,
+            output,
+            output.stride(0),
+            output.stride(1),
+            splits,
+            HEAD_DIM=latent,
+            BLOCK_D=_pad(latent),
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            **dependent_launch_args(query.device),
+        )
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.
@@ -163,7 +168,6 @@ def mla_decode_kernel(
     stride_page_table,
     partial_out_ptr,
     partial_lse_ptr,
-    arrivals_ptr,
     scale,
     num_splits,
     num_heads,
@@ -176,13 +180,11 @@ def mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
-    MIN_SPLIT_BLOCKS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """One program per (sequence, block of BLOCK_H query heads, split): the heads' scores
     against each key block are latent . latent + rope . rope, and their weights multiply the
-    latent tile already loaded for the scores. Splits as `decode_kernel`'s: at least
-    MIN_SPLIT_BLOCKS key blocks each, the last to finish combining."""
+    latent tile already loaded for the scores."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     split = tl.program_id(2)
@@ -200,9 +202,7 @@ def mla_decode_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
     row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    blocks = tl.cdiv(seq_len, BLOCK_N)
-    blocks_per_split = tl.maximum(tl.cdiv(blocks, num_splits), MIN_SPLIT_BLOCKS)
-    used_splits = tl.cdiv(blocks, blocks_per_split)
+    blocks_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     begin = split * blocks_per_split * BLOCK_N
     end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
     table_row = page_table_ptr + seq * stride_page_table
@@ -220,20 +220,15 @@ def mla_decode_kernel(
         weights, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum)
         acc = acc * rescale[:, None]
         acc += tl.dot(weights.to(latents.dtype), latents, input_precision=PRECISION).to(tl.float32)
-    if split < used_splits:  # the splits past them hold no keys
-        _finish_split(
-            acc,
-            row_max,
-            row_sum,
-            out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + latent_dims[None, :],
-            partial_out_ptr,
-            partial_lse_ptr,
-            (seq * num_heads + heads) * num_splits,
-            arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1),
-            split,
-            used_splits,
-            head_ok,
-            latent_dims,
-            LATENT,
-            SPLIT,
-        )
+    seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # an empty split saw nothing
+    out = acc / seen[:, None]
+    io_mask = head_ok[:, None] & latent_ok
+    if SPLIT:  # partials [seq, head, split, latent] and [seq, head, split], as combine_splits_kernel reads
+        partial = (seq * num_heads + heads) * num_splits + split
+        empty = row_sum == 0.0
+        lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
+        tl.store(partial_lse_ptr + partial, lse, mask=head_ok)
+        tl.store(partial_out_ptr + partial[:, None] * LATENT + latent_dims[None, :], out, mask=io_mask)
+    else:
+        out_rows = out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head
+        tl.store(out_rows + latent_dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)

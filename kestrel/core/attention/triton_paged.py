@@ -209,8 +209,7 @@ def reserve_split_partials(workspace: Workspace, max_rows: int, layer: Attention
     rows = max(n * decode_splits(n, layer.num_kv_heads, workspace.device) for n in range(1, max_rows + 1))
     workspace.reserve(_PARTIAL_OUT, rows * layer.num_heads * layer.head_dim, torch.float32)
     workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
-    # A counter per (sequence, group of heads): at most one per head, whatever a kernel groups.
-    workspace.reserve(_ARRIVALS, max_rows * layer.num_heads, torch.int32)
+    workspace.reserve(_ARRIVALS, max_rows * layer.num_kv_heads, torch.int32)
 
 
 def split_arrivals(workspace: Workspace | None, device: torch.device, count: int) -> torch.Tensor:
