@@ -9,10 +9,6 @@ whole key blocks read in a loop of their own, unmasked (WHOLE_BLOCKS). `--float8
 sweeps the float8 pool alone over deeper pipelines (its tiles take half the shared memory),
 fewer warps (one warp holds a whole tile: no exchange between warps in each block) and both
 loop shapes.
-`--small-batches` times the default launch at 1, 4 and 16 sequences (Llama-3-8B's and
-Qwen3-30B-A3B's head groups; 128 to 16,384 tokens of context), where the keys are split
-across programs, with each split taking at least 1, 2, 4 or 8 key blocks where the tree
-has that setting (MIN_SPLIT_BLOCKS).
 `--prefill` times the prefill kernel instead: `--prefill-seqs` fresh prompts of `--context`
 tokens (causal), in TFLOP/s, over query blocks, key blocks, warps and stages.
 """
@@ -25,28 +21,21 @@ import itertools
 
 import torch
 
-from kestrel.core.attention import triton_paged
 from kestrel.core.attention.base import AttentionLayerSpec
-from kestrel.core.attention.triton_paged import decode_attention, prefill_attention, reserve_split_partials
+from kestrel.core.attention.triton_paged import decode_attention, prefill_attention
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
 from kestrel.core.state import KVCacheSpec, PagedKVProvider
-from kestrel.core.workspace import Workspace
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
 
 def pool(
-    dtype: torch.dtype,
-    batch: int,
-    context: int,
-    pool_pages: int | None = None,
-    interleaved: bool = False,
-    kv_heads: int = KV_HEADS,
+    dtype: torch.dtype, batch: int, context: int, pool_pages: int | None = None, interleaved: bool = False
 ) -> tuple[PagedKVProvider, DecodeMetadata]:
     """A pool of `pool_pages` (default: just the batch's) filled with noise, and the batch's
     page table: pages drawn at random, or `interleaved` as an engine hands them out when the
     whole batch grows a page each step (page i of sequence s is page i * batch + s)."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=HEAD_DIM, dtype=dtype, page_size=PAGE)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, page_size=PAGE)
     pages_per_seq = -(-context // PAGE)
     used = batch * pages_per_seq
     kv = PagedKVProvider(spec, max(used, pool_pages or 0) * spec.bytes_per_page(), torch.device("cuda"))
@@ -70,10 +59,7 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true", help="pages as an engine hands them out")
     parser.add_argument("--prefill", action="store_true")
     parser.add_argument("--prefill-seqs", type=int, default=8)
-    parser.add_argument("--small-batches", action="store_true")
     args = parser.parse_args()
-    if args.small_batches:
-        return small_batches()
     if args.prefill:
         return prefill_sweep(args.prefill_seqs, args.context, args.quick)
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
@@ -107,27 +93,6 @@ def main() -> None:
             rate = kv_bytes / milliseconds / 1e9
             setting = f"{launch} splits={splits}"
             print(f"{str(dtype):<22}{setting:<60}{milliseconds * 1e3:>9.1f} us {rate:>8.2f} TB/s")
-
-
-def small_batches() -> None:
-    """Split decodes: microseconds per call for each head group, pool, batch and context."""
-    minimums = (1, 2, 4, 8) if hasattr(triton_paged, "MIN_SPLIT_BLOCKS") else (None,)
-    print("kv heads, pool, batch, context, then us per call" + "".join(f" | min {m}" for m in minimums))
-    for kv_heads, dtype, batch in itertools.product((8, 4), (torch.bfloat16, torch.float8_e4m3fn), (1, 4, 16)):
-        layer = AttentionLayerSpec(HEADS, kv_heads, HEAD_DIM, HEAD_DIM**-0.5)
-        query = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        output = torch.empty_like(query)
-        workspace = Workspace(torch.device("cuda"))
-        reserve_split_partials(workspace, batch, layer)
-        for context in (128, 384, 1024, 4096, 16384):
-            kv, meta = pool(dtype, batch, context, kv_heads=kv_heads)
-            times = []
-            for minimum in minimums:
-                launch = {} if minimum is None else {"MIN_SPLIT_BLOCKS": minimum}
-                call = functools.partial(decode_attention, query, kv.layer(0), meta, layer, output, **launch)
-                times.append(milliseconds_per_call(functools.partial(call, workspace=workspace)) * 1e3)
-            print(f"{kv_heads} {str(dtype)[6:]:<14}{batch:>3} {context:>6}" + "".join(f" | {t:7.2f}" for t in times))
-            del kv
 
 
 def time_decode(query, kv, meta, layer, output, launch: dict, splits: int | None) -> float:

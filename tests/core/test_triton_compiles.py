@@ -30,7 +30,7 @@ LAUNCH_OPTIONS = {"num_warps": 4, "num_stages": 2}
 BF16_ROW = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
 FOLDED_NORM = {"norm_ptr": "*bf16", "residual_ptr": "*bf16"}  # a layer's RMS norm inside its matvecs
 ATTENTION = {"query_ptr": "*bf16", "out_ptr": "*bf16", "seq_lens_ptr": "*i32", "page_table_ptr": "*i32"}
-ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "arrivals_ptr": "*i32", "scale": "fp32"}
+ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "fp32"}
 ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32"}
 FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
 BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
@@ -41,7 +41,6 @@ MOE_GROUPING |= {"counts_ptr": "*i32"}
 RECURRENT_STEP = {"query_start_ptr": "*i32", "slots_ptr": "*i64", "read_slots_ptr": "*i64", "save_slots_ptr": "*i64"}
 RECURRENT_STEP |= {"has_state_ptr": "*i1"}
 DECODE = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, PRECISION="tf32", HAS_SINKS=False)
-DECODE |= dict(MIN_SPLIT_BLOCKS=4)
 
 MOE_ROUTE = {
     "logits_ptr": "*bf16",

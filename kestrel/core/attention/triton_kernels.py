@@ -6,8 +6,7 @@
   that KV head are the rows of one tile, so each KV page is read once per head group. Keys
   are taken BLOCK_N at a time, across several pages, so each step does a sizeable dot. When
   a batch has too few (sequence, kv head) pairs to fill the GPU, the keys are split across
-  programs (flash-decoding), and the last split of each to finish merges their partial
-  softmaxes (latent attention's decode merges its own in `combine_splits_kernel`).
+  programs (flash-decoding) and `combine_splits_kernel` merges their partial softmaxes.
 - `prefill_kernel`: one program per (sequence, query head, block of query rows), the last
   blocks first; walks the sequence's pages (cached prefix and new tokens alike) with
   causal and window masks.
@@ -222,7 +221,6 @@ def decode_kernel(
     stride_page_table,
     partial_out_ptr,
     partial_lse_ptr,
-    arrivals_ptr,
     sinks_ptr,
     scale,
     window,
@@ -239,123 +237,16 @@ def decode_kernel(
     DOTS_IN_FP16: tl.constexpr,
     VALUES_BY_SLOT: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
-    MIN_SPLIT_BLOCKS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """`sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
-    counted by the first split alone, so that combining the splits counts it once.
-
-    SPLIT: a sequence's key blocks are shared among at most `num_splits` programs, each
-    taking at least MIN_SPLIT_BLOCKS of them (a short context runs in fewer programs, or
-    one, rather than paying for a combine); the splits left without blocks return at once.
-    A lone split writes the output itself; else each writes its partial output and
-    log-sum-exp, and the last of them to arrive (counted in `arrivals`, one counter per
-    sequence and kv head, each set back to zero by its last program) combines them."""
+    counted by the first split alone, so that combining the splits counts it once."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_position = seq_len * 0  # same integer type as the loaded lengths
-    if window > 0:
-        first_position = tl.maximum(seq_len - window, 0)
-    if chunk > 0:  # the newest token's chunk
-        first_position = (seq_len - 1) // chunk * chunk
-    # This program's share of the key blocks: whole blocks, at least MIN_SPLIT_BLOCKS a split.
-    first_block = first_position // BLOCK_N * BLOCK_N
-    blocks = tl.cdiv(seq_len - first_block, BLOCK_N)
-    blocks_per_split = tl.maximum(tl.cdiv(blocks, num_splits), MIN_SPLIT_BLOCKS)
-    used_splits = tl.cdiv(blocks, blocks_per_split)
-    if split < used_splits:
-        _decode_split(
-            query_ptr,
-            key_cache_ptr,
-            value_cache_ptr,
-            out_ptr,
-            page_table_ptr,
-            stride_query_token,
-            stride_query_head,
-            stride_out_token,
-            stride_out_head,
-            stride_cache_head,
-            stride_cache_page,
-            stride_cache_slot,
-            stride_page_table,
-            partial_out_ptr,
-            partial_lse_ptr,
-            arrivals_ptr,
-            sinks_ptr,
-            scale,
-            window,
-            chunk,
-            num_splits,
-            seq,
-            kv_head,
-            split,
-            seq_len,
-            first_block + split * blocks_per_split * BLOCK_N,
-            blocks_per_split,
-            used_splits,
-            GROUP,
-            GROUP_PAD,
-            HEAD_DIM,
-            BLOCK_D,
-            PAGE,
-            BLOCK_N,
-            PRECISION,
-            SPLIT,
-            DOTS_IN_FP16,
-            VALUES_BY_SLOT,
-            WHOLE_BLOCKS,
-            HAS_SINKS,
-        )
-
-
-@triton.jit
-def _decode_split(
-    query_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    out_ptr,
-    page_table_ptr,
-    stride_query_token,
-    stride_query_head,
-    stride_out_token,
-    stride_out_head,
-    stride_cache_head,
-    stride_cache_page,
-    stride_cache_slot,
-    stride_page_table,
-    partial_out_ptr,
-    partial_lse_ptr,
-    arrivals_ptr,
-    sinks_ptr,
-    scale,
-    window,
-    chunk,
-    num_splits,
-    seq,
-    kv_head,
-    split,
-    seq_len,
-    begin,
-    blocks_per_split,
-    used_splits,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
-    DOTS_IN_FP16: tl.constexpr,
-    VALUES_BY_SLOT: tl.constexpr,
-    WHOLE_BLOCKS: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    """decode_kernel's work for one split that holds key blocks, from `begin` on."""
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < GROUP
@@ -374,7 +265,16 @@ def _decode_split(
         sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         row_max = tl.where(split == 0, sink, row_max)
         row_sum = tl.where(split == 0, 1.0, row_sum)
+    first_position = seq_len * 0  # same integer type as the loaded lengths
+    if window > 0:
+        first_position = tl.maximum(seq_len - window, 0)
+    if chunk > 0:  # the newest token's chunk
+        first_position = (seq_len - 1) // chunk * chunk
     table_row = page_table_ptr + seq * stride_page_table
+    # This program's share of the key blocks: whole blocks, the later splits possibly empty.
+    first_block = first_position // BLOCK_N * BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(seq_len - first_block, BLOCK_N), num_splits)
+    begin = first_block + split * blocks_per_split * BLOCK_N
     end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
     # WHOLE_BLOCKS: the whole blocks of a window-less sequence, visible to every row, are
     # read first, without masks; else every block is masked, in one loop.
@@ -413,56 +313,18 @@ def _decode_split(
         )
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
     out = acc / seen[:, None]
-    out_offsets = seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
-    if SPLIT:
-        if used_splits == 1:
-            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
-        else:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
-            first_partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits
-            empty = row_sum == 0.0
-            lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))  # base 2
-            tl.store(partial_lse_ptr + first_partial + split, lse, mask=row_ok)
-            tl.store(partial_out_ptr + (first_partial + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
-            # Every thread's stores, then one release: the split that arrives last acquires them all.
-            tl.debug_barrier()
-            counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used_splits - 1:
-                combined = _combine_partials(
-                    partial_out_ptr, partial_lse_ptr, first_partial, used_splits, row_ok, dims, HEAD_DIM
-                )
-                tl.store(out_ptr + out_offsets, combined.to(out_ptr.dtype.element_ty), mask=io_mask)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
+        partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        empty = row_sum == 0.0
+        lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))  # base 2
+        tl.store(partial_lse_ptr + partial, lse, mask=row_ok)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
     else:
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
-def _combine_partials(
-    partial_out_ptr, partial_lse_ptr, first_partial, num_splits, row_ok, dims, HEAD_DIM: tl.constexpr
-):
-    """The splits' partial outputs of some heads (rows from `first_partial`), weighted by their
-    shares of the softmax mass (2 to the power of each split's base-2 log-sum-exp), read from
-    L2 (".cg"): other programs, on other multiprocessors, wrote them."""
-    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    top = tl.where(row_ok, float("-inf"), float("-inf"))
-    total = tl.where(row_ok, 0.0, 0.0)
-    acc = tl.where(mask, 0.0, 0.0)
-    for split in range(num_splits):
-        lse = tl.load(partial_lse_ptr + first_partial + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(
-            partial_out_ptr + (first_partial + split)[:, None] * HEAD_DIM + dims[None, :],
-            mask=mask,
-            other=0.0,
-            cache_modifier=".cg",
+        tl.store(
+            out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
         )
-        new_top = tl.maximum(top, lse)
-        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)  # empty so far: weigh 0
-        rescale = tl.exp2(top - safe_top)
-        weight = tl.exp2(lse - safe_top)
-        acc = acc * rescale[:, None] + part * weight[:, None]
-        total = total * rescale + weight
-        top = new_top
-    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.

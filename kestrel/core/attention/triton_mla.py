@@ -5,7 +5,7 @@ the rotary key dims, shared by every query head; the values are the latents them
 (`KVLayerCache.values_in_keys`). Decode (`mla_decode_kernel`): one program per (sequence,
 block of query heads, split); each key block is read once for the block's heads, the scores
 are latent and rotary dots summed, the weights multiply the same latent tile. Splits are
-merged by `combine_splits_kernel`. Prefill runs the torch reference
+merged by the paged backend's `combine_splits_kernel`. Prefill runs the torch reference
 (one attention per sequence over its gathered pages): correct, and outside the decode graphs.
 """
 

@@ -10,6 +10,7 @@ import triton
 from kestrel.core.attention.base import AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.paged import PagedAttentionBackend
 from kestrel.core.attention.triton_kernels import (
+    combine_splits_kernel,
     decode_kernel,
     prefill_kernel,
     store_kv_kernel,
@@ -30,9 +31,6 @@ LARGE_BATCH_KEY_BLOCK = 128  # decode_launch
 STORE_HEADS = 16
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows; smaller head groups are padded
 MAX_DECODE_SPLITS = 16
-# Key blocks a split takes at least: a short context runs in fewer splits (one: no combine),
-# since each split that holds blocks costs an arrival and a share of the combine.
-MIN_SPLIT_BLOCKS = 4
 INTERPRETER_MULTIPROCESSORS = 4  # CPU tensors (Triton's interpreter): small, so tests split
 
 
@@ -154,10 +152,9 @@ def decode_attention(
     defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
-    partial_out = partial_lse = arrivals = output  # unused without splits
+    partial_out = partial_lse = output  # unused without splits
     if splits > 1:
         partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits)
-        arrivals = split_arrivals(workspace, query.device, meta.num_seqs * layer.num_kv_heads)
     constants = dict(
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
@@ -190,34 +187,35 @@ def decode_attention(
         meta.page_table.stride(0),
         partial_out,
         partial_lse,
-        arrivals,
         query if sinks is None else sinks,  # any pointer where there are none
         layer.scale,
         *_masks(layer),
         splits,
         **constants,
     )
+    if splits > 1:
+        combine_splits_kernel[(meta.num_seqs, layer.num_heads)](
+            partial_out,
+            partial_lse,
+            output,
+            output.stride(0),
+            output.stride(1),
+            splits,
+            HEAD_DIM=layer.head_dim,
+            BLOCK_D=_block_d(layer.head_dim),
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            **dependent_launch_args(query.device),
+        )
 
 
 _PARTIAL_OUT, _PARTIAL_LSE = "attention.decode.partial_out", "attention.decode.partial_lse"
-_ARRIVALS = "attention.decode.arrivals"
 
 
 def reserve_split_partials(workspace: Workspace, max_rows: int, layer: AttentionLayerSpec) -> None:
-    """Room for the split partials of any decode batch of up to `max_rows` sequences, and
-    their arrival counters (zeroed here; each launch leaves them at zero)."""
+    """Room for the split partials of any decode batch of up to `max_rows` sequences."""
     rows = max(n * decode_splits(n, layer.num_kv_heads, workspace.device) for n in range(1, max_rows + 1))
     workspace.reserve(_PARTIAL_OUT, rows * layer.num_heads * layer.head_dim, torch.float32)
     workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
-    workspace.reserve(_ARRIVALS, max_rows * layer.num_kv_heads, torch.int32)
-
-
-def split_arrivals(workspace: Workspace | None, device: torch.device, count: int) -> torch.Tensor:
-    """`count` arrival counters at zero: the workspace's (every launch leaves them at zero
-    again), else new ones for this call."""
-    if workspace is None:
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    return workspace.get(_ARRIVALS, (count,), torch.int32)
 
 
 def split_partials(
@@ -252,8 +250,8 @@ def decode_launch(cache: KVLayerCache, head_dim: int, splits: int) -> dict[str, 
         # A float8 tile takes half the shared memory: room for a third stage (248 against 281 us).
         stages = 3 if cache.key.dtype in FLOAT8_KV_DTYPES else 2
         block = max(LARGE_BATCH_KEY_BLOCK, page_size_of(cache))
-        return {"BLOCK_N": block, "num_warps": 4, "num_stages": stages, "WHOLE_BLOCKS": False, "MIN_SPLIT_BLOCKS": 1}
-    return {"BLOCK_N": key_block(cache), "WHOLE_BLOCKS": False, "MIN_SPLIT_BLOCKS": MIN_SPLIT_BLOCKS}
+        return {"BLOCK_N": block, "num_warps": 4, "num_stages": stages, "WHOLE_BLOCKS": False}
+    return {"BLOCK_N": key_block(cache), "WHOLE_BLOCKS": False}
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
