@@ -90,51 +90,46 @@ def test_4bit_weights_take_the_kernels_that_multiply_by_their_dequantized_values
 # float32 scores read the normalised row) the dense ones, between which the residual stream
 # is summed again. Hybrid layers do not fold (HybridDecoderLayer.folds).
 FOLDED_LAYERS = {
-    ("llama", None): "all",
-    ("llama", "fp8"): "all",
-    ("qwen3-moe", None): "all",
-    ("qwen3-moe", "fp8"): "all",
-    ("gpt-oss", None): "all",
-    ("deepseek-v2", None): "dense",
+    "llama": "all",
+    "qwen3-moe": "all",
+    "gpt-oss": "all",
+    "deepseek-v2": "dense",
 }
 
 
-@pytest.mark.parametrize(("family", "quantization"), FOLDED_LAYERS)
-def test_one_row_steps_fold_each_norm_into_the_matvecs_that_read_it(family, quantization, checkpoint_dir, monkeypatch):
+@pytest.mark.parametrize("family", FOLDED_LAYERS)
+def test_one_row_steps_fold_each_norm_into_the_matvecs_that_read_it(family, checkpoint_dir, monkeypatch):
     """With every linear on the one-row matvec (as a GPU's measurement picks for these
     shapes; the CPU's own choice leaves some out), one-row steps run folded: each layer's
     norms inside the matvecs that read them, its residual adds inside those that write the
     sum (ResidualBlock.forward_folded). The layers expected fold at one row, none at two,
     each ran folded in every decode step, and the tokens and logprobs are the torch
-    branches' (float8 weights: to the rounding of the activations through float8, which the
-    torch path does and the one-row matvec does not, as test_float8_weights_take_the_kernels_the_cpu_path_mirrors)."""
+    branches'."""
     from kestrel.layers.moe import SparseMoe
     from kestrel.models.dense import ResidualBlock
 
-    path, options = str(checkpoint_dir(family)), OPTIONS | {"quantization": quantization}
+    path = str(checkpoint_dir(family))
     one_at_a_time = [[prompt] for prompt in PROMPTS]  # each step one row
-    expected = [LLM(path, **options).generate(prompt, PARAMS, use_tqdm=False)[0] for prompt in one_at_a_time]
+    expected = [LLM(path, **OPTIONS).generate(prompt, PARAMS, use_tqdm=False)[0] for prompt in one_at_a_time]
     folded, unfolded = [], ResidualBlock.forward_folded
     monkeypatch.setattr(ResidualBlock, "forward_folded", lambda *args: folded.append(1) or unfolded(*args))
     with kernels_on_cpu():
-        llm = LLM(path, **options)
+        llm = LLM(path, **OPTIONS)
         modules = list(llm.engine.parts.runner.model.modules())
         for module in modules:
             if isinstance(getattr(module, "matvec_weight", None), torch.Tensor):
                 module.use_gemv = True
         layers = [m for m in modules if isinstance(m, ResidualBlock)]
         hidden_size = layers[0].input_layernorm.weight.shape[0]
-        every = FOLDED_LAYERS[family, quantization] == "all"
-        folding = [m for m in layers if every or not isinstance(m.mlp, SparseMoe)]
+        folding = [m for m in layers if FOLDED_LAYERS[family] == "all" or not isinstance(m.mlp, SparseMoe)]
         assert [m for m in layers if m.folds(torch.zeros(1, hidden_size))] == folding
         assert not any(layer.folds(torch.zeros(2, hidden_size)) for layer in layers)
         got = [llm.generate(prompt, PARAMS, use_tqdm=False)[0] for prompt in one_at_a_time]
     assert folding and len(folded) >= len(folding) * (PARAMS.max_tokens - 1) * len(PROMPTS)
-    tolerance = 1e-4 if quantization is None else 0.3
     for want, have in zip(expected, got):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
         for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
-            assert all(abs(a[t].logprob - b[t].logprob) < tolerance for t in a.keys() & b.keys())
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
 
 
 def test_deepseek_v2_lite_routing_runs_in_the_router_matvec_and_folds(checkpoint_dir, monkeypatch):

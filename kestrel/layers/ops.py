@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kestrel.core.kernel_branches import runs_kernels
 from kestrel.core.runtime import cpu_kernels
-from kestrel.layers.quantized import Fp8Weight, PackedWeight
+from kestrel.layers.quantized import PackedWeight
 
 # oneDNN's matmul beats the default BLAS path on the CPU from about 16 rows (batched decode
 # steps; measured on a 2-core Xeon: the 64 x 512 x 64000 LM head, 20.7 -> 17.8 ms); below
@@ -52,11 +52,10 @@ def linear(
     (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight),
     which folds the norm and the residual in; a one-row float32 CPU input Kestrel's
     (`choose_cpu_matvecs`). A packed weight (layers/quantized.py) takes its own kernel."""
-    rows = matvec_rows(x, weight, use_gemv)
-    if rows is not None:
+    if takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
         from kestrel.layers import gemv
 
-        return gemv.gemv(x, rows.values, bias, scale=rows.scales, norm=norm, residual=residual)
+        return gemv.gemv(x, weight, bias, norm=norm, residual=residual)
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps)
     if residual is None:
@@ -94,11 +93,10 @@ def linear_silu_and_mul(
 ) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) (of norm(x) with `norm`) for a weight stacking the gate
     rows, then the up rows: one kernel where a one-row linear takes the Triton matvec."""
-    rows = matvec_rows(x, weight, use_gemv)
-    if rows is not None:
+    if takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
         from kestrel.layers import gemv
 
-        return gemv.gemv_silu_and_mul(x, rows.values, norm=norm, scale=rows.scales)
+        return gemv.gemv_silu_and_mul(x, weight, norm=norm)
     return silu_and_mul(linear(x, weight, use_gemv=use_gemv, norm=norm))
 
 
@@ -123,11 +121,10 @@ def linear_rotary(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) (of norm(x) with `norm`) with `rotation` applied: one kernel where
     a one-row linear takes the Triton matvec and the rotary dim is the head's."""
-    rows = matvec_rows(x, weight, use_gemv)
-    if rotation.cos.shape[-1] == rotation.head_dim and rows is not None:
+    if rotation.cos.shape[-1] == rotation.head_dim and takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
         from kestrel.layers import gemv
 
-        return gemv.gemv_rotary(x, rows.values, bias, rotation, norm=norm, scale=rows.scales)
+        return gemv.gemv_rotary(x, weight, bias, rotation, norm=norm)
     out = linear(x, weight, bias, use_gemv, norm=norm)
     tokens, width = out.shape[0], rotation.heads * rotation.head_dim
     heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
@@ -135,27 +132,6 @@ def linear_rotary(
     if rotated is not heads:  # rotated out of place: the CPU, or a partial rotary dim on CUDA
         out[:, :width] = rotated.reshape(tokens, width)
     return out
-
-
-@dataclass(frozen=True)
-class MatvecRows:
-    """The rows a one-row Triton matvec reads: a weight's values, and a scale per row where
-    they are float8."""
-
-    values: torch.Tensor
-    scales: torch.Tensor | None = None
-
-
-def matvec_rows(x: torch.Tensor, weight: torch.Tensor | PackedWeight, use_gemv: bool) -> MatvecRows | None:
-    """What the one-row Triton matvec (layers/gemv.py) reads to multiply `x` by `weight`, or
-    None where x takes another path: a plain weight `choose_matvec_kernels` marked, or a
-    float8 one (which always takes it at one row: cuBLAS has no one-row float8 product to
-    measure against). The matvec then also folds a norm and a residual (`RowNorm`)."""
-    if isinstance(weight, torch.Tensor):
-        return MatvecRows(weight) if takes_gemv(x, use_gemv) else None
-    if isinstance(weight, Fp8Weight) and takes_gemv(x, True):
-        return MatvecRows(weight.values, weight.scales)
-    return None
 
 
 def takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:

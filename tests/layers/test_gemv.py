@@ -192,26 +192,3 @@ def test_the_folded_linear_normalises_and_adds_where_it_takes_no_matvec():
     got = ops.linear(x, weight, norm=norm, residual=residual)
     expected = ops.linear(ops.rms_norm(x, norm.weight, norm.eps), weight) + residual
     assert torch.equal(got, expected)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_silu_and_mul_and_gemv_rotary_take_float8_rows(dtype):
-    """Float8 rows with a scale each (`--quantization fp8` at one row): the same bits as the
-    float8 matvec, then the activation or the rotary, which they replace."""
-    from kestrel.layers.quantized import quantize_fp8
-
-    torch.manual_seed(9)
-    head_dim, k = 16, 72
-    x = torch.randn(1, k, device=DEVICE).to(dtype)
-    config = triton.Config({"BLOCK_N": 8, "BLOCK_K": 32})
-    gate_up = quantize_fp8(torch.randn(80, k, device=DEVICE))
-    expected = fused.silu_and_mul(gemv.gemv(x, gate_up.values, config=config, scale=gate_up.scales))
-    got = gemv.gemv_silu_and_mul(x, gate_up.values, config=config, scale=gate_up.scales)
-    assert torch.equal(got, expected)
-    qkv = quantize_fp8(torch.randn(4 * head_dim, k, device=DEVICE))
-    angles = torch.rand(1, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    separate = gemv.gemv(x, qkv.values, config=config, scale=qkv.scales)
-    fused.rotary_(separate[:, : 3 * head_dim].view(1, 3, head_dim), cos, sin)
-    rotation = ops.HeadRotation(cos, sin, 3, head_dim)
-    assert torch.equal(gemv.gemv_rotary(x, qkv.values, None, rotation, config=config, scale=qkv.scales), separate)
