@@ -328,15 +328,11 @@ def gemv_route(
     num_gated_shared: int = 0,
     config: triton.Config | None = None,
     norm: RowNorm | None = None,
-    num_always_on: int = 0,
-    routed_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` of one token's router logits x [1, K] (or norm(x)) @ weight[N, K].T (+ bias),
-    in one launch (the router's matvec and the routing cost one launch, where they cost
-    two): weights in x's dtype and int32 experts, [1, top_k + always-on experts], the routed
-    weights times `routed_scale`. The always-on experts are either `num_gated_shared` gated
-    ones, whose gates are the rows past `num_experts` (Qwen3-Next's shared expert, weighted
-    by the gate's sigmoid), or `num_always_on` with weight 1 (DeepSeek's shared experts).
+    """`route` of one token's router logits x [1, K] (or norm(x)) @ weight[N, K].T (+ bias), in one launch
+    (the router's matvec and the routing cost one launch, where they cost two): weights in x's
+    dtype and int32 experts, [1, top_k + num_gated_shared]. The rows past `num_experts` are
+    the gates of always-on experts (Qwen3-Next's shared expert), each weighted by its sigmoid.
     The launch configuration is the matvec's, autotuned per shape unless given (tests)."""
     rows, k = weight.shape
     if x.shape != (1, k) or weight.stride(1) != 1 or rows != num_experts + num_gated_shared:
@@ -344,20 +340,17 @@ def gemv_route(
             f"gemv_route takes x [1, {k}] and a row-major weight of {num_experts} + {num_gated_shared} rows; "
             f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
-    if num_gated_shared and num_always_on:
-        raise ValueError("gemv_route takes gated always-on experts or ungated ones, not both")
-    num_shared = num_gated_shared or num_always_on
-    width = top_k + num_shared
+    width = top_k + num_gated_shared
     logits = torch.empty(rows, dtype=x.dtype, device=x.device)
     weights = torch.empty((1, width), dtype=x.dtype, device=x.device)
     experts = torch.empty((1, width), dtype=torch.int32, device=x.device)
     args = (x.contiguous(), weight, logits if bias is None else bias, logits, _arrival_counter(x.device))
-    args += (weights, experts, logits if norm is None else norm.weight, rows, k, weight.stride(0), num_experts)
-    args += (routed_scale, 0.0 if norm is None else norm.eps)
+    args += (weights, experts, logits if norm is None else norm.weight, rows, k, weight.stride(0), num_experts, 1.0)
+    args += (0.0 if norm is None else norm.eps,)
     constants = dict(
         HAS_BIAS=bias is not None,
         TOP_K=top_k,
-        NUM_SHARED=num_shared,
+        NUM_SHARED=num_gated_shared,
         GATED=num_gated_shared > 0,
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         SLOTS_POW2=triton.next_power_of_2(width),

@@ -157,16 +157,7 @@ class DeepseekMoe(SparseMoe):
         return self._routes_greedily(hidden) and self.parallel.size == 1 and self.gate.folds(hidden)
 
     def route_folded(self, hidden: torch.Tensor, norm: ops.RowNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._route_in_matvec(hidden, norm)
-
-    def _route_in_matvec(self, hidden: torch.Tensor, norm: ops.RowNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """V2's greedy routing of one row (or of norm(row)) in the router's matvec, whose last
-        program routes: the routed choices, then the shared experts (weight 1)."""
-        from kestrel.layers.fused_moe import gemv_route
-
-        args = (self.num_experts, self.top_k, self.renormalize)
-        shared = dict(num_always_on=self.num_always_on, routed_scale=self.routing.scaling_factor)
-        return gemv_route(hidden, self.gate.weight, None, *args, norm=norm, **shared)
+        return self._pick_greedily(self.gate(hidden, norm), hidden.dtype)
 
     def _routes_greedily(self, hidden: torch.Tensor) -> bool:
         return ops.runs_kernels(hidden) and self.routing.scoring == SOFTMAX and self.routing.num_groups == 1
@@ -180,10 +171,7 @@ class DeepseekMoe(SparseMoe):
         """The routed choices, then the shared experts (weight 1)."""
         if self._routes_greedily(hidden):
             # V2's greedy top-k of a softmax: the fused routing kernel, on the router's logits
-            # in the model's dtype (where float32 logits took four launches more); at one
-            # row, in the router's matvec.
-            if ops.takes_gemv(hidden, self.gate.use_gemv):
-                return self._route_in_matvec(hidden, None)
+            # in the model's dtype (where float32 logits took four launches more).
             return self._pick_greedily(self.gate(hidden), hidden.dtype)
         # Scores in float32, as transformers computes them: a near tie picks the same expert.
         logits = torch.nn.functional.linear(hidden.float(), self.gate.weight.float())

@@ -326,28 +326,6 @@ def test_the_router_matvec_that_routes_picks_as_a_matvec_then_the_routing_kernel
         torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
 
 
-def test_the_router_matvec_routes_deepseeks_way_with_ungated_shared_experts():
-    """DeepSeek-V2: greedy top-k of the softmax, scaled, then two shared experts of weight 1
-    (`num_always_on`), as the routing kernel picks them from the same logits."""
-    import triton
-
-    from kestrel.layers.gemv import gemv
-
-    torch.manual_seed(12)
-    dtype = torch.bfloat16
-    hidden = 2048 if DEVICE == "cuda" else 96
-    x = torch.randn(1, hidden, device=DEVICE).to(dtype)
-    weight = torch.randn(64, hidden, device=DEVICE).to(dtype) / hidden**0.5
-    config = triton.Config({"BLOCK_N": 4, "BLOCK_K": 64})
-    logits = gemv(x, weight, None, config)
-    expected = route(logits, 6, False, dtype, num_shared=2, routed_scale=16.0)
-    got = gemv_route(x, weight, None, 64, 6, False, config=config, num_always_on=2, routed_scale=16.0)
-    assert got[1].tolist() == expected[1].tolist() and got[1][0, 6:].tolist() == [64, 65]
-    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
-    with pytest.raises(ValueError, match="not both"):
-        gemv_route(x, torch.cat((weight, weight[:1])), None, 64, 6, False, 1, config, num_always_on=2)
-
-
 def test_the_router_matvec_that_routes_refuses_a_weight_of_the_wrong_rows():
     with pytest.raises(ValueError, match="8 \\+ 1 rows"):
         gemv_route(torch.zeros(1, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE), None, 8, 2, True, 1)
