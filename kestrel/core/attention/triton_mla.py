@@ -5,7 +5,7 @@ the rotary key dims, shared by every query head; the values are the latents them
 (`KVLayerCache.values_in_keys`). Decode (`mla_decode_kernel`): one program per (sequence,
 block of query heads, split); each key block is read once for the block's heads, the scores
 are latent and rotary dots summed, the weights multiply the same latent tile. Splits are
-merged by the paged backend's `combine_splits_kernel`. Prefill runs the torch reference
+merged by the paged backend's `combine_splits`. Prefill runs the torch reference
 (one attention per sequence over its gathered pages): correct, and outside the decode graphs.
 """
 
@@ -18,9 +18,10 @@ import triton.language as tl
 from kestrel.core.attention.base import LATENT_KV, AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.torch_ref import prefill_attention as torch_prefill_attention
 from kestrel.core.attention.torch_ref import raw_bytes
-from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step, combine_splits_kernel
+from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step
 from kestrel.core.attention.triton_paged import (
     TritonPagedBackend,
+    combine_splits,
     decode_splits,
     page_size_of,
     split_partials,
@@ -134,18 +135,7 @@ def mla_decode_attention(
         **dependent_launch_args(query.device),
     )
     if splits > 1:
-        combine_splits_kernel[(meta.num_seqs, heads)](
-            partial_out,
-            partial_lse,
-            output,
-            output.stride(0),
-            output.stride(1),
-            splits,
-            HEAD_DIM=latent,
-            BLOCK_D=_pad(latent),
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            **dependent_launch_args(query.device),
-        )
+        combine_splits(partial_out, partial_lse, output, meta.num_seqs, latent)
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.

@@ -194,18 +194,7 @@ def decode_attention(
         **constants,
     )
     if splits > 1:
-        combine_splits_kernel[(meta.num_seqs, layer.num_heads)](
-            partial_out,
-            partial_lse,
-            output,
-            output.stride(0),
-            output.stride(1),
-            splits,
-            HEAD_DIM=layer.head_dim,
-            BLOCK_D=_block_d(layer.head_dim),
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            **dependent_launch_args(query.device),
-        )
+        combine_splits(partial_out, partial_lse, output, meta.num_seqs, layer.head_dim)
 
 
 _PARTIAL_OUT, _PARTIAL_LSE = "attention.decode.partial_out", "attention.decode.partial_lse"
@@ -216,6 +205,26 @@ def reserve_split_partials(workspace: Workspace, max_rows: int, layer: Attention
     rows = max(n * decode_splits(n, layer.num_kv_heads, workspace.device) for n in range(1, max_rows + 1))
     workspace.reserve(_PARTIAL_OUT, rows * layer.num_heads * layer.head_dim, torch.float32)
     workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
+
+
+def combine_splits(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, output: torch.Tensor, num_seqs: int, head_dim: int
+) -> None:
+    """Merge each (sequence, head)'s split partials (their outputs and log-sum-exps, as
+    `split_partials` holds them) into `output` [tokens, heads, head_dim]; one launch."""
+    heads, splits = output.shape[1], partial_lse.shape[-1]
+    combine_splits_kernel[(num_seqs, heads)](
+        partial_out,
+        partial_lse,
+        output,
+        output.stride(0),
+        output.stride(1),
+        splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        **dependent_launch_args(output.device),
+    )
 
 
 def split_partials(
