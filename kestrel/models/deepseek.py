@@ -222,13 +222,11 @@ class MlaAttention(nn.Module):
         self.num_heads = self.layer_spec.num_heads  # this rank's
         heads = rank_slice(parallel, spec.num_heads * mla.query_dim, "num_attention_heads")
         paired = mla.paired_rope
-        # The query's projection and the latent's read the same input: one matvec (one GEMM)
-        # for both, where two launches a layer were most of a decode step's fixed cost.
+        # The latent and the shared rotary key: one "head" of kv_lora_rank + rope dims,
+        # whose first kv_lora_rank dims are not rotated.
         latent = {"latent": ShardSlice.whole(mla.kv_lora_rank + mla.rope_dim)}
         rope_layouts = {"latent": (mla.kv_lora_rank, mla.rope_dim)}
         if mla.q_lora_rank is None:
-            if spec.attention_bias:  # V2's q_proj has no bias where its latent's has one
-                raise ValueError("DeepSeek-V2 configs with attention_bias are not supported")
             query = {"query": heads}
             rope_layouts["query"] = (mla.nope_dim, mla.rope_dim)
         else:
@@ -236,8 +234,8 @@ class MlaAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, spec.rms_norm_eps)
             head_rope = {None: (mla.nope_dim, mla.rope_dim)}
             self.q_b_proj = PairedRopeRows(mla.q_lora_rank, {None: heads}, head_rope, paired)
-        # The latent and the shared rotary key: one "head" of kv_lora_rank + rope dims,
-        # whose first kv_lora_rank dims are not rotated.
+        # The query's projection and the latent's read the same input: one matvec (one GEMM)
+        # for both, where two launches a layer were most of a decode step's fixed cost.
         self.input_proj = PairedRopeRows(
             spec.hidden_size, query | latent, rope_layouts, paired, bias=spec.attention_bias
         )
@@ -336,6 +334,10 @@ class DeepseekRecipe:
             rope=read_rope(hf_config),
             moe=moe,
         )
+        if spec.attention_bias and mla.q_lora_rank is None:
+            # The query's and the latent's projections are stacked (MlaAttention.input_proj),
+            # and a query projection of its own (no q_lora_rank) has no bias where the latent's has one.
+            raise ValueError(f"{self.architectures[0]} with attention_bias and no q_lora_rank is not supported")
         fields = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec) if field.name != "layers"}
         return DeepseekSpec(
             **fields,

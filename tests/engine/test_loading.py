@@ -85,9 +85,10 @@ def test_invalid_engine_options_name_the_option(checkpoint_dir, field, value, me
     [
         ("deepseek-v2-lite", "scoring_func", "sigmoid", "scoring_func 'sigmoid' is not supported"),
         ("deepseek-v2-lite", "topk_method", "noaux_tc", "topk_method 'noaux_tc' is not supported"),
+        ("deepseek-v2-lite", "attention_bias", True, "with attention_bias and no q_lora_rank is not supported"),
     ],
 )
-def test_a_routing_deepseek_does_not_have_is_refused_by_name(name, field, value, message):
+def test_a_deepseek_layout_kestrel_does_not_run_is_refused_by_name(name, field, value, message):
     config = dummy_hf_config(name)
     setattr(config, field, value)
     with pytest.raises(ValueError, match=message):
