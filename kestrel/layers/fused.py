@@ -541,6 +541,7 @@ def absorb_query(
     out = torch.empty((tokens, heads, latent + rope), dtype=query.dtype, device=query.device)
     key_out = None if key is None else torch.empty((tokens, 1, latent + rope), dtype=query.dtype, device=query.device)
     if tokens:
+        # Without a key, any pointers stand in for its inputs and output (WITH_KEY off).
         kv, weight, eps = (key.kv, key.weight, key.eps) if key is not None else (query, query, 0.0)
         _absorb_query_kernel[(heads, triton.cdiv(latent, ABSORB_BLOCK) + 1)](
             query,
