@@ -255,7 +255,7 @@ class MlaAttention(nn.Module):
         """The query from the input projection's query part (V3: through its bottleneck)."""
         if self.mla.q_lora_rank is None:
             return projected
-        return self.q_b_proj(self.q_a_layernorm(projected.contiguous()))
+        return self.q_b_proj(self.q_a_layernorm(projected))
 
     def folds(self, hidden: torch.Tensor) -> bool:
         """Whether a one-row `hidden` takes matvecs that fold the input norm (the input
