@@ -22,7 +22,8 @@ def check_prompt_tokens(token_ids: Sequence[int], vocab_size: int, param: str = 
         raise AdmissionError("the prompt is empty; it must contain at least one token", param)
     bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
-        raise AdmissionError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", param)
+        what = "prompt token ids" if param == "prompt" else param
+        raise AdmissionError(f"{what} out of range [0, {vocab_size}): {bad[:5]}", param)
 
 
 def resolve_max_tokens(

@@ -108,7 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize", dependencies=[Depends(require_key)])
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
-        validate_token_ids(body.tokens or [0], state.client.info.vocab_size)
+        validate_token_ids(body.tokens or [0], state.client.info.vocab_size, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])

@@ -66,9 +66,9 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
         raise bad_request(str(error), error.param) from None
 
 
-def validate_token_ids(token_ids: list[int], vocab_size: int) -> None:
+def validate_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     try:
-        admission.check_prompt_tokens(token_ids, vocab_size)
+        admission.check_prompt_tokens(token_ids, vocab_size, param)
     except admission.AdmissionError as error:
         raise bad_request(str(error), error.param) from None
 

@@ -74,6 +74,9 @@ def test_model_by_id_and_errors_name_their_field(server):
     long_prompt = b'{"prompt": [' + b",".join([b"5"] * 5000) + b'], "max_tokens": 1}'
     assert_error(send(server, "POST", "/v1/completions", long_prompt), 400, "prompt")
     assert_error(send(server, "POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}'), 400, "temperature")
+    unknown_token = send(server, "POST", "/detokenize", b'{"tokens": [1, 99999999]}')
+    assert_error(unknown_token, 400, "tokens")
+    assert "tokens out of range" in unknown_token.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
