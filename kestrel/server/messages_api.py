@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
-from kestrel.server.preparation import chat_prompt, collect_results, prepare_chat, with_extra_fields
+from kestrel.server.preparation import chat_prompt, collect_results, prepare_chat, translated_chat_request
 from kestrel.server.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from kestrel.server.state import ServerState
 from kestrel.server.tools import ChatDeltas
@@ -24,13 +24,38 @@ from kestrel.server.tools import ChatDeltas
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
+class TextBlock(BaseModel):
+    """A block of a system prompt or a tool result; only text blocks are read (`_text`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str = ""
+
+
+class ContentBlock(TextBlock):
+    """A block of a message's content: text, tool_use, tool_result, or earlier thinking.
+    Typed, so that a malformed one is a 400 that names where it is."""
+
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] = Field(default_factory=dict)
+    tool_use_id: str | None = None
+    content: str | list[TextBlock] | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str | None = None
+    content: str | list[ContentBlock]
+
+
 class MessagesRequest(BaseModel):
     # vLLM's sampling and guided_* fields ride along (extra_body) into the chat request.
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
     max_tokens: int = Field(ge=1)
     temperature: float | None = None
     top_p: float | None = None
@@ -47,54 +72,45 @@ class CountTokensRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
     tools: list[dict[str, Any]] | None = None
 
 
-def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_messages(system: str | list[TextBlock] | None, messages: list[Message]) -> list[dict[str, Any]]:
     chat = [{"role": "system", "content": _text(system)}] if system else []
     for message in messages:
-        role, content = message.get("role"), message.get("content")
+        role, content = message.role, message.content
         if role not in ("user", "assistant"):
             raise bad_request(f"message role must be user or assistant, got {role!r}", "messages")
         if isinstance(content, str):
             chat.append({"role": role, "content": content})
             continue
-        chat += _blocks(role, content or [])
+        chat += _blocks(role, content)
     return chat
 
 
-def _blocks(role: str, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _blocks(role: str, blocks: list[ContentBlock]) -> list[dict[str, Any]]:
     """One turn's content blocks: its text, its tool calls, and tool results as tool messages."""
     texts, calls, results = [], [], []
     for block in blocks:
-        kind = block.get("type")
-        if kind == "text":
-            texts.append(block.get("text", ""))
-        elif kind == "tool_use":
-            arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
-            calls.append(
-                {
-                    "id": block.get("id"),
-                    "type": "function",
-                    "function": {"name": block.get("name"), "arguments": arguments},
-                }
-            )
-        elif kind == "tool_result":
-            results.append(
-                {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _text(block.get("content"))}
-            )
-        elif kind not in ("thinking", "redacted_thinking"):  # earlier thinking is not sent back
-            raise bad_request(f"content block type {kind!r} is not supported", "messages")
+        if block.type == "text":
+            texts.append(block.text)
+        elif block.type == "tool_use":
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif block.type == "tool_result":
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
+        elif block.type not in ("thinking", "redacted_thinking"):  # earlier thinking is not sent back
+            raise bad_request(f"content block type {block.type!r} is not supported", "messages")
     turn = [{"role": role, "content": "".join(texts), **({"tool_calls": calls} if calls else {})}]
     return results + (turn if texts or calls else [])
 
 
-def _text(content: Any) -> str:
+def _text(content: str | list[TextBlock] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(block.get("text", "") for block in content if block.get("type") == "text")
+    return "".join(block.text for block in content if block.type == "text")
 
 
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
@@ -115,10 +131,7 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     if choice:
         fields["tool_choice"] = _chat_tool_choice(choice)
         fields["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use", False)
-    try:
-        return ChatCompletionRequest(**with_extra_fields(fields, body.model_extra))
-    except ValueError as error:
-        raise bad_request(f"messages: {error}", "messages") from None
+    return translated_chat_request(fields, body.model_extra, "messages")
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:

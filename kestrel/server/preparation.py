@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.server.disaggregation import parse_handoff
@@ -21,7 +22,14 @@ from kestrel.server.generation import (
     run_until_disconnect,
     validate_token_ids,
 )
-from kestrel.server.protocol import NOT_YET_SUPPORTED, ApiError, ChatCompletionRequest, SamplingFields, bad_request
+from kestrel.server.protocol import (
+    CHAT_NOT_YET_SUPPORTED,
+    NOT_YET_SUPPORTED,
+    ApiError,
+    ChatCompletionRequest,
+    SamplingFields,
+    bad_request,
+)
 from kestrel.server.state import ServerState
 from kestrel.server.structured import checked_constraint
 from kestrel.server.tools import ChatFormat, resolve_tool_choice, tool_constraint
@@ -149,8 +157,20 @@ def with_extra_fields(fields: dict[str, Any], extra: dict[str, Any] | None) -> d
         raise bad_request(
             "kv_transfer_params are served on /v1/completions and /v1/chat/completions", "kv_transfer_params"
         )
-    known = set(ChatCompletionRequest.model_fields) | set(NOT_YET_SUPPORTED)
+    known = set(ChatCompletionRequest.model_fields) | set(NOT_YET_SUPPORTED) | set(CHAT_NOT_YET_SUPPORTED)
     return {**{key: value for key, value in (extra or {}).items() if key in known}, **fields}
+
+
+def translated_chat_request(fields: dict[str, Any], extra: dict[str, Any] | None, param: str) -> ChatCompletionRequest:
+    """The chat request another API's request stands for (`with_extra_fields`); what it gets
+    wrong is a 400 naming `param`, the field the sender wrote, not the translation's."""
+    try:
+        return ChatCompletionRequest(**with_extra_fields(fields, extra))
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise bad_request(problems.replace("messages", param), param) from None
+    except ValueError as error:
+        raise bad_request(f"{param}: {error}", param) from None
 
 
 @dataclass(frozen=True)

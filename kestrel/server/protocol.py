@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -42,11 +42,33 @@ def _unset(value: Any) -> bool:
     return value is None or value is False or value == [] or value == {}
 
 
-# Field -> whether a value asks for nothing (then it is accepted). Anything else is a 400.
+# Field -> whether a value asks for nothing (then it is accepted). Anything else is a 400:
+# OpenAI's and vLLM's request fields that Kestrel does not implement yet.
 NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1,
     "guided_whitespace_pattern": _unset,
     "priority": lambda v: v is None or v == 0,
+    "prompt_logprobs": lambda v: v is None,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "use_beam_search": _unset,
+    "length_penalty": lambda v: v is None or v == 1,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
+    "logits_processors": _unset,
+    "cache_salt": lambda v: v is None,  # a prefix cache kept apart per salt
+    "mm_processor_kwargs": _unset,
+    "background": _unset,  # Responses: needs stored responses
+    "truncation": lambda v: v is None or v == "disabled",  # Responses' "auto" drops input
+}
+# Per endpoint, where the two differ in what a field's default is or whether it is served.
+CHAT_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "chat_template": lambda v: v is None,  # a template sent with the request
+    "documents": _unset,
+    "continue_final_message": _unset,
+    "echo": _unset,  # chat: the last message's content before the answer (vLLM's)
+    "add_special_tokens": _unset,  # chat prompts take the template's special tokens alone
+}
+COMPLETION_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "add_special_tokens": lambda v: v is None or v is True,
 }
 
 
@@ -58,6 +80,7 @@ class SamplingFields(BaseModel):
     """The fields completions and chat completions share."""
 
     model_config = ConfigDict(extra="ignore")
+    endpoint_not_yet_supported: ClassVar[dict[str, Callable[[Any], bool]]] = {}
     # Disaggregated serving (vLLM's field): what a prefill or decode instance does with this
     # request's state (server/disaggregation.py).
     kv_transfer_params: dict[str, Any] | None = None
@@ -98,7 +121,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, asks_nothing in NOT_YET_SUPPORTED.items():
+            for name, asks_nothing in (NOT_YET_SUPPORTED | cls.endpoint_not_yet_supported).items():
                 if name in data and not asks_nothing(data[name]):
                     raise bad_request(f"{name} is not supported by this server yet", name)
         return data
@@ -142,6 +165,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    endpoint_not_yet_supported: ClassVar[dict[str, Callable[[Any], bool]]] = COMPLETION_NOT_YET_SUPPORTED
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -228,6 +252,7 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    endpoint_not_yet_supported: ClassVar[dict[str, Callable[[Any], bool]]] = CHAT_NOT_YET_SUPPORTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -18,10 +18,35 @@ from pydantic import BaseModel, ConfigDict
 
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
 from kestrel.server.formatting import usage
-from kestrel.server.preparation import collect_results, prepare_chat, with_extra_fields
+from kestrel.server.preparation import collect_results, prepare_chat, translated_chat_request
 from kestrel.server.protocol import ApiError, ChatCompletionRequest, bad_request
 from kestrel.server.state import ServerState
 from kestrel.server.tools import ChatDeltas
+
+
+class InputPart(BaseModel):
+    """One part of an input item's content; only text parts are served (`_text`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str = ""
+
+
+Content = str | list[InputPart] | None
+
+
+class InputItem(BaseModel):
+    """An input item: a message, an earlier function call, its output, or earlier reasoning.
+    Typed, so that a malformed one is a 400 that names where it is."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] = "user"
+    content: Content = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str = "{}"
+    output: Content = None
 
 
 class ResponsesRequest(BaseModel):
@@ -29,7 +54,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[InputItem]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -69,48 +94,44 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         fields["tools"] = [_chat_tool(tool) for tool in body.tools]
     if body.tool_choice is not None:
         fields["tool_choice"] = _chat_tool_choice(body.tool_choice)
-    try:
-        return ChatCompletionRequest(**with_extra_fields(fields, body.model_extra))
-    except ValueError as error:
-        raise bad_request(f"input: {error}", "input") from None
+    return translated_chat_request(fields, body.model_extra, "input")
 
 
-def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(items: list[InputItem]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for item in items:
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function", "function": _function_call(item)}
+        if item.type == "message":
+            messages.append({"role": item.role, "content": _text(item.content)})
+        elif item.type == "function_call":
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
-        elif kind != "reasoning":  # earlier reasoning is not sent back to the model
-            raise bad_request(f"input item type {kind!r} is not supported", "input")
+        elif item.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        elif item.type != "reasoning":  # earlier reasoning is not sent back to the model
+            raise bad_request(f"input item type {item.type!r} is not supported", "input")
     return messages
 
 
-def _function_call(item: dict[str, Any]) -> dict[str, Any]:
-    return {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
-
-
-def _text(content: Any) -> str:
+def _text(content: Content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    parts = []
     for part in content:
-        if part.get("type") not in ("input_text", "output_text", "text"):
-            raise bad_request(f"content part type {part.get('type')!r} is not supported (text only)", "input")
-        parts.append(part.get("text", ""))
-    return "".join(parts)
+        if part.type not in ("input_text", "output_text", "text"):
+            raise bad_request(f"content part type {part.type!r} is not supported (text only)", "input")
+    return "".join(part.text for part in content)
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object, e.g. {type: json_schema, name, schema}", "text")
     if not fmt or fmt.get("type") != "json_schema":
         return fmt
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}

@@ -20,7 +20,7 @@ _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disabl
 
 def from_response_format(value: dict[str, Any]) -> StructuredOutputsParams | None:
     kind = value.get("type")
-    if kind in (None, "text"):
+    if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)

@@ -178,3 +178,35 @@ def test_messages_errors_take_anthropic_shape(anthropic_client):
     assert "needs tools" in raised.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         anthropic_client.messages.create(model="other", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+
+
+# ---- Malformed payloads: a 400 naming the field, never a 500 ----------------------------------
+
+MALFORMED = [5, True, {"a": 1}, [5], ["x"], [{"type": "text", "text": 5}]]
+
+
+@pytest.mark.parametrize("value", MALFORMED)
+def test_malformed_responses_and_messages_payloads_are_400s(smollm2_server, value):
+    import httpx
+
+    url = smollm2_server.base_url
+    payloads = [
+        ("/v1/responses", {"input": [{"role": "user", "content": value}], "max_output_tokens": 2}, "input"),
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "1", "output": value}]}, "input"),
+        ("/v1/responses", {"input": "hi", "text": {"format": value}, "max_output_tokens": 2}, "text"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": value}], "max_tokens": 2}, None),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "system": [value], "max_tokens": 2}, None),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": value}]}], "max_tokens": 2},
+            None,
+        ),
+    ]
+    for path, body, param in payloads:  # param: the field a Responses error names
+        response = httpx.post(f"{url}{path}", json={"model": SMOLLM2, **body}, timeout=30)
+        assert response.status_code == 400, (path, body, response.text)
+        error = response.json()["error"]
+        if path == "/v1/messages":  # Anthropic's shape: a type, no param
+            assert error["type"] == "invalid_request_error", response.text
+        else:
+            assert error["param"].startswith(param), response.text

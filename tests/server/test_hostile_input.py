@@ -74,6 +74,8 @@ def test_model_by_id_and_errors_name_their_field(server):
     long_prompt = b'{"prompt": [' + b",".join([b"5"] * 5000) + b'], "max_tokens": 1}'
     assert_error(send(server, "POST", "/v1/completions", long_prompt), 400, "prompt")
     assert_error(send(server, "POST", "/v1/completions", b'{"prompt": "x", "temperature": -1}'), 400, "temperature")
+    untyped_format = b'{"prompt": "x", "response_format": {"schema": {}}}'
+    assert_error(send(server, "POST", "/v1/completions", untyped_format), 400, "response_format")
     unknown_token = send(server, "POST", "/detokenize", b'{"tokens": [1, 99999999]}')
     assert_error(unknown_token, 400, "tokens")
     assert "tokens out of range" in unknown_token.json()["error"]["message"]
@@ -85,6 +87,13 @@ def test_model_by_id_and_errors_name_their_field(server):
         ("best_of", 3),
         ("guided_whitespace_pattern", " "),
         ("priority", 5),
+        ("prompt_logprobs", 1),
+        ("truncate_prompt_tokens", 4),
+        ("cache_salt", "tenant-a"),
+        ("chat_template", "{{ messages[0].content }}"),
+        ("continue_final_message", True),
+        ("echo", True),
+        ("add_special_tokens", True),
     ],
 )
 def test_fields_kestrel_does_not_implement_are_refused_by_name(server, field, value):
@@ -92,6 +101,22 @@ def test_fields_kestrel_does_not_implement_are_refused_by_name(server, field, va
 
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
     error = assert_error(send(server, "POST", "/v1/chat/completions", json.dumps(body).encode()), 400, field)
+    assert "not supported" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/completions", {"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs"),
+        ("/v1/responses", {"input": "hi", "background": True}, "background"),
+        ("/v1/responses", {"input": "hi", "truncation": "auto"}, "truncation"),
+    ],
+)
+def test_each_endpoint_refuses_what_it_does_not_implement(server, path, body, field):
+    import json
+
+    error = assert_error(send(server, "POST", path, json.dumps({**body, "max_tokens": 2}).encode()), 400, field)
     assert "not supported" in error["message"]
 
 
@@ -105,6 +130,8 @@ def test_fields_that_ask_for_nothing_are_accepted(server):
         "tools": [],
         "tool_choice": "none",
         "priority": 0,
+        "add_special_tokens": False,
+        "spaces_between_special_tokens": True,
     }
     assert send(server, "POST", "/v1/chat/completions", json.dumps(body).encode()).status_code == 200
 
