@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kestrel.weights.fp8 import Fp8CheckpointError, Fp8Config
 from kestrel.weights.fp8 import dequantized_tensors as fp8_dequantized
@@ -44,6 +44,20 @@ class MissingWeightsError(FileNotFoundError):
 
 class CheckpointNotFoundError(FileNotFoundError):
     pass
+
+
+class CorruptWeightsError(ValueError):
+    pass
+
+
+def _open_shard(path: Path) -> Any:
+    """A safetensors file opened for reading; one that cannot be read is an error naming it."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise CorruptWeightsError(
+            f"cannot read {path}: {error} (a truncated or corrupt file? download it again)"
+        ) from None
 
 
 class UnsupportedQuantizationError(ValueError):
@@ -95,6 +109,7 @@ class SafetensorsCheckpoint(Checkpoint):
         try:
             config = AutoConfig.from_pretrained(self.path)
         except (ValueError, KeyError) as error:
+            self._refuse_unsupported_architecture()
             raise ValueError(f"cannot read {self.path / 'config.json'}: {error}") from None
         self._stored = None
         quantization = getattr(config, "quantization_config", None)
@@ -114,6 +129,18 @@ class SafetensorsCheckpoint(Checkpoint):
                 raise UnsupportedQuantizationError(f"{self.path}: {error}") from None
             logger.info("%s stores %s weights: dequantized at load", self.path, method.upper())
         return config
+
+    def _refuse_unsupported_architecture(self) -> None:
+        """Where transformers cannot read the config: an architecture Kestrel has no recipe for
+        is named as such (with the ones it has), before transformers' own complaint."""
+        from kestrel.models.registry import recipe_for
+
+        try:
+            declared = json.loads((self.path / "config.json").read_text()).get("architectures")
+        except (ValueError, AttributeError):
+            return  # not a JSON object: transformers' error says what is wrong
+        if declared:
+            recipe_for(declared)  # raises UnsupportedArchitectureError, listing the supported ones
 
     def hf_config(self) -> Any:
         return self._config
@@ -139,7 +166,7 @@ class SafetensorsCheckpoint(Checkpoint):
         stored = self._stored if self._config is not None else None  # reading the config finds it
         if stored is None:
             for path in self.files():
-                with safe_open(str(path), framework="pt", device="cpu") as shard:
+                with _open_shard(path) as shard:
                     names = list(shard.keys())  # a safetensors handle is not a mapping
                     for name in names:
                         yield name, shard.get_tensor(name)
@@ -147,7 +174,7 @@ class SafetensorsCheckpoint(Checkpoint):
         # A layer's pieces (weight and scales, or codes, zeros and scales) may sit in different
         # shards: every shard stays open and each tensor is read from wherever it is.
         with ExitStack() as stack:
-            shards = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu")) for path in self.files()]
+            shards = [stack.enter_context(_open_shard(path)) for path in self.files()]
             where = {name: shard for shard in shards for name in list(shard.keys())}
             transform = DEQUANTIZED[type(stored)]
             yield from transform(list(where), lambda name: where[name].get_tensor(name), stored)

@@ -17,7 +17,7 @@ from kestrel.core.runtime.cpu import CpuRuntime
 from kestrel.core.runtime.cuda import CudaRuntime
 from kestrel.core.weight_bindings import WeightBindingError
 from kestrel.models.registry import UnsupportedArchitectureError
-from kestrel.weights.checkpoint import MissingWeightsError
+from kestrel.weights.checkpoint import CorruptWeightsError, MissingWeightsError
 from tests.checkpoints import HYBRID_FAMILIES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -119,6 +119,16 @@ def test_missing_weights_unknown_architecture_and_missing_files(checkpoint_dir, 
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
         LLM(str(broken))
+    config["model_type"] = "fancy_new"  # a model type transformers cannot read either
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match=r"\['FancyNewForCausalLM'\] is not supported"):
+        LLM(str(broken))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(source, truncated)
+    shard = next(truncated.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CorruptWeightsError, match=f"cannot read {shard}.*truncated or corrupt"):
+        LLM(str(truncated))
     empty = tmp_path / "empty"
     empty.mkdir()
     shutil.copy(source / "config.json", empty / "config.json")
