@@ -4,9 +4,12 @@ Llama-3-8B weight shape, as bytes read per second; which one `ops.linear` keeps;
 (qkv with rotary, gate/up with SiLU-and-multiply) against the two kernels each replaces,
 with dependent launch on and off. With --int4, the 4-bit matvec (layers/int4_matmul.py) per
 decoder shape instead: its autotuned launch and a grid of launches, as 4-bit bytes read per
-second (codes, scales and zeros), beside the bf16 Triton matvec on the same shape.
+second (codes, scales and zeros), beside the bf16 Triton matvec on the same shape. With
+--float8, the float8 matvec (`--quantization fp8` at one row: e4m3 weights, a scale per row):
+its autotuned launch and a grid that includes loads twice as wide (a float8 element is half
+a bf16 one, so a bf16-tuned block moves half the bytes), as float8 bytes read per second.
 
-    python scripts/gemv_bench.py [--sweep | --int4] [--dummy-config NAME]
+    python scripts/gemv_bench.py [--sweep | --int4 | --float8] [--dummy-config NAME]
 
 With --dummy-config the shapes are that model's one-row linears (each distinct weight shape
 that declares a `matvec_weight`, with how many layers hold it) instead of Llama-3-8B's.
@@ -68,11 +71,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time every configuration of a wide grid")
     parser.add_argument("--int4", action="store_true", help="time the 4-bit matvec instead")
+    parser.add_argument("--float8", action="store_true", help="time the float8 matvec instead")
     parser.add_argument("--dummy-config", help="that built-in shape's matvec weights instead of Llama-3-8B's")
     args = parser.parse_args()
     shapes = model_shapes(args.dummy_config) if args.dummy_config else SHAPES
     if args.int4:
         return int4_matvecs()
+    if args.float8:
+        return float8_matvecs(shapes)
     configs = sweep_configs() if args.sweep else []
     print(f"{'layer':<18}{'cuBLAS TB/s':>12}{'Triton TB/s':>12}  kept")
     for name, (n, k) in shapes.items():
@@ -133,6 +139,33 @@ def int4_matvecs() -> None:
         ranked = sorted(((rate(matvec(c)), c) for c in grid), key=lambda pair: -pair[0])
         best = ", ".join(f"{r:.2f} {c.kwargs} w{c.num_warps}" for r, c in ranked[:3])
         print(f"{name:<14}{tera_bytes_per_s(x, dense, gemv._triton):>10.2f}{tuned:>10.2f}  {chosen}; {best}")
+
+
+def float8_matvecs(shapes: dict[str, tuple[int, int]]) -> None:
+    grid = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
+        for n, k, warps in itertools.product([1, 2, 4, 8], [1024, 2048, 4096, 8192], [4, 8])
+        if 4096 <= n * k <= 32768
+    ]
+    print(f"{'layer':<18}{'bf16 TB/s':>10}{'fp8 TB/s':>10}  autotuned launch; best three of the grid")
+    for name, (n, k) in shapes.items():
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        scales = dense.float().abs().amax(dim=1) / 448.0
+        weights = gemv._weights_beyond_cache((dense.float() / scales[:, None]).to(torch.float8_e4m3fn))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+        def rate(config=None, x=x, weights=weights, scales=scales, nbytes=n * k):
+            def run(x, w):
+                return gemv.gemv(x, w, config=config, scale=scales)
+
+            return nbytes / (gemv._milliseconds(x, weights, run) / gemv.TIMING_REPEATS) / 1e9
+
+        bf16 = tera_bytes_per_s(x, gemv._weights_beyond_cache(dense), gemv._triton)
+        tuned = rate()
+        chosen = gemv._tuned_gemv_kernel.best_config
+        ranked = sorted(((rate(c), c) for c in grid), key=lambda pair: -pair[0])
+        best = ", ".join(f"{r:.2f} {c.kwargs} w{c.num_warps}" for r, c in ranked[:3])
+        print(f"{name:<18}{bf16:>10.2f}{tuned:>10.2f}  {chosen}; {best}")
 
 
 def fused_matvecs() -> None:
