@@ -246,7 +246,11 @@ MATVEC_CONFIGS = [
     # The best of a wide sweep on the H200 for every Llama-3-8B shape, then (on an H100) for
     # the 2048-column weights of Qwen3-30B-A3B and Qwen3-Next: their qkv rows read 2.39 TB/s
     # among the first four, 2.69 at four rows of 1024-column blocks (scripts/gemv_bench.py).
+    # The last four load twice the elements a program: a float8 element is half a bf16 one,
+    # and the float8 matvec's best launches on an H100 were among them (`gemv_bench
+    # --float8`; Llama-3-8B FP8 at one request 3.44 ms against 3.52-3.57 without them).
     for block_n, block_k, warps in [(1, 4096, 8), (1, 2048, 4), (2, 2048, 8), (2, 1024, 4), (4, 1024, 4), (8, 512, 4)]
+    + [(2, 4096, 8), (4, 2048, 8), (1, 8192, 8), (4, 4096, 8)]
 ]
 # Where the kernels run under Triton's interpreter (tests): small blocks, so that rows and
 # columns of the tiny test models span several blocks, ragged ones too.
