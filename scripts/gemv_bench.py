@@ -25,7 +25,8 @@ import torch
 import triton
 
 from kestrel.core.runtime import dependent_launch
-from kestrel.layers import fused, gemv, ops
+from kestrel.layers import fp8_matmul, fused, gemv, ops
+from kestrel.layers.quantized import quantize_fp8
 
 SHAPES = {  # name: (out_features, in_features), Llama-3-8B
     "qkv_proj": (6144, 4096),
@@ -78,7 +79,8 @@ def main() -> None:
     if args.int4:
         return int4_matvecs()
     if args.float8:
-        return float8_matvecs(shapes)
+        float8_matvecs(shapes)
+        return float8_few_rows(shapes)
     configs = sweep_configs() if args.sweep else []
     print(f"{'layer':<18}{'cuBLAS TB/s':>12}{'Triton TB/s':>12}  kept")
     for name, (n, k) in shapes.items():
@@ -166,6 +168,42 @@ def float8_matvecs(shapes: dict[str, tuple[int, int]]) -> None:
         ranked = sorted(((rate(c), c) for c in grid), key=lambda pair: -pair[0])
         best = ", ".join(f"{r:.2f} {c.kwargs} w{c.num_warps}" for r, c in ranked[:3])
         print(f"{name:<18}{bf16:>10.2f}{tuned:>10.2f}  {chosen}; {best}")
+
+
+FEW_ROWS_LAUNCHES = [
+    fp8_matmul.FewRowsLaunch(n, k, warps, stages)
+    for n, k, warps, stages in [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4), (16, 512, 4, 4)]
+    + [(64, 256, 8, 4), (128, 128, 4, 4)]
+]
+
+
+def float8_few_rows(shapes: dict[str, tuple[int, int]]) -> None:
+    """Steps of 2 to 16 rows: the few-rows kernel's launches against cuBLASLt's float8 matmul
+    (rows quantized per token first, what such steps took before) and bf16 cuBLAS, as
+    microseconds a call."""
+    print(f"{'layer':<18}{'rows':>5}{'bf16 cuBLAS':>12}{'fp8 cuBLASLt':>13}{'few rows':>10}  best launch (us a call)")
+    for name, (n, k) in shapes.items():
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        packed = quantize_fp8(dense)
+        copies, scales = gemv._weights_beyond_cache(packed.values), packed.scales
+        for rows in (2, 4, 8, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+
+            def micros(run, weights=copies, x=x):
+                return 1e3 * gemv._milliseconds(x, weights, run) / gemv.TIMING_REPEATS
+
+            def cublaslt(x, w, scales=scales):
+                quantized, row_scales = fp8_matmul.quantize_rows(x)
+                return torch._scaled_mm(
+                    quantized, w.t(), scale_a=row_scales, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16
+                )
+
+            def few_rows(launch, scales=scales):
+                return lambda inputs, w: fp8_matmul.few_rows_linear(inputs, w, scales, launch)
+
+            bf16 = micros(torch.nn.functional.linear, gemv._weights_beyond_cache(dense))
+            best, launch = min(((micros(few_rows(c)), c) for c in FEW_ROWS_LAUNCHES), key=lambda pair: pair[0])
+            print(f"{name:<18}{rows:>5}{bf16:>12.1f}{micros(cublaslt):>13.1f}{best:>10.1f}  {launch}")
 
 
 def fused_matvecs() -> None:

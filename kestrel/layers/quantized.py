@@ -186,6 +186,9 @@ def dequantize_int4_cuda(weight: Int4CudaWeight) -> torch.Tensor:
 FP8 = "fp8"
 E4M3_MAX = 448.0
 FP8_MIN_SCALE = 1e-12  # a row of zeros still gets a usable scale
+# Steps of up to this many rows read each float8 weight once and multiply the activations as
+# they are (W8A16: layers/fp8_matmul.py); larger steps round them to e4m3 per row (W8A8).
+FP8_FEW_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,8 @@ class Fp8Weight:
             from kestrel.layers.fp8_matmul import fp8_linear
 
             return fp8_linear(x, self.values, self.scales, bias)
-        return F.linear(round_rows_through_fp8(x), self.reference, bias)
+        activations = x if x.shape[0] <= FP8_FEW_ROWS else round_rows_through_fp8(x)
+        return F.linear(activations, self.reference, bias)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         reference = {"reference": self.reference} if self.reference is not None else {}

@@ -69,6 +69,11 @@ CASES = {
         BF16_ROW | {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
         dict(HAS_BIAS=False, HAS_SCALE=True, NORMED=False, HAS_RESIDUAL=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
+    "fp8_few_rows": (  # a decode step of up to 16 rows over float8 weights
+        fp8_matmul._few_rows_kernel,
+        {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"},
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DEPENDENT=True),
+    ),
     "int4_gemv": (  # a 4096-wide bf16 projection's codes, widened in registers
         int4_matmul.int4_gemv_kernel,
         BF16_ROW | {"codes_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16"},

@@ -13,7 +13,13 @@ import triton.language as tl
 
 from kestrel.layers.fp8_matmul import _round_to_e4m3
 from kestrel.layers.linear import ColumnParallelLinear, ShardSlice
-from kestrel.layers.quantized import Fp8Weight, quantize_fp8, quantize_linears, round_rows_through_fp8
+from kestrel.layers.quantized import (
+    FP8_FEW_ROWS,
+    Fp8Weight,
+    quantize_fp8,
+    quantize_linears,
+    round_rows_through_fp8,
+)
 
 E4M3_STEP = 2**-3  # e4m3 keeps 3 mantissa bits: a value moves by at most half of 1/8 of itself
 CUDA = torch.cuda.is_available()
@@ -41,10 +47,14 @@ def test_activations_round_through_e4m3_per_row():
 
 def test_the_reference_path_is_the_rounded_activations_times_the_dequantized_weight():
     torch.manual_seed(1)
-    weight, x = torch.randn(48, 64), torch.randn(3, 64)
+    weight, x = torch.randn(48, 64), torch.randn(FP8_FEW_ROWS + 4, 64)
     packed = quantize_fp8(weight)
-    expected = round_rows_through_fp8(x) @ (packed.values.float() * packed.scales[:, None]).t()
-    torch.testing.assert_close(packed.linear(x), expected, atol=1e-5, rtol=1e-5)
+    dequantized = packed.values.float() * packed.scales[:, None]
+    torch.testing.assert_close(packed.linear(x), round_rows_through_fp8(x) @ dequantized.t(), atol=1e-5, rtol=1e-5)
+    # A step of a few rows multiplies its activations as they are (the GPU's few-rows kernel).
+    few = x[:3]
+    torch.testing.assert_close(packed.linear(few), few @ dequantized.t(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(round_rows_through_fp8(few) @ dequantized.t(), few @ dequantized.t(), atol=1e-5)
     # And the quantization's own error against float32, for scale: a few percent of an output.
     assert (packed.linear(x) - x @ weight.t()).abs().max() < 0.1 * (x @ weight.t()).abs().max()
 
@@ -78,6 +88,21 @@ def test_the_one_row_matvec_reads_float8_rows_times_their_scales():
     torch.testing.assert_close(got.float(), expected, atol=2e-2 if CUDA else 1e-5, rtol=1e-2 if CUDA else 1e-5)
 
 
+@pytest.mark.skipif(not TRITON, reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("rows", [2, 5, FP8_FEW_ROWS])
+def test_a_few_rows_read_each_float8_row_once_times_its_scale(rows):
+    from kestrel.layers.fp8_matmul import FewRowsLaunch, few_rows_linear
+
+    torch.manual_seed(4)
+    device = "cuda" if CUDA else "cpu"
+    packed = quantize_fp8(torch.randn(40, 300))  # ragged against the launch's blocks below
+    values, scales = packed.values.to(device), packed.scales.to(device)
+    x = torch.randn(rows, 300, device=device, dtype=torch.bfloat16 if CUDA else torch.float32)
+    got = few_rows_linear(x, values, scales, FewRowsLaunch(block_n=16, block_k=64, num_stages=2))
+    expected = x.float() @ (values.float() * scales[:, None]).t()
+    torch.testing.assert_close(got.float(), expected, atol=2e-2 if CUDA else 1e-5, rtol=1e-2 if CUDA else 1e-5)
+
+
 @pytest.mark.skipif(
     not CUDA, reason="float8 matmuls need CUDA (Triton's interpreter drops the exponent carry of e4m3 rounding)"
 )
@@ -86,9 +111,9 @@ def test_the_float8_matmul_matches_the_reference_path(rows):
     torch.manual_seed(3)
     weight, x = torch.randn(256, 512), torch.randn(rows, 512).bfloat16().float()
     dequantized = quantize_fp8(weight).reference
-    # Many rows: activations rounded through e4m3 per row, as the CPU emulates; one row (the
-    # matvec, a pure weight read): bf16 activations as they are.
-    expected = (x if rows == 1 else round_rows_through_fp8(x)) @ dequantized.t()
+    # Many rows: activations rounded through e4m3 per row, as the CPU emulates; a few rows (the
+    # matvec, the few-rows kernel: pure weight reads): bf16 activations as they are.
+    expected = (x if rows <= FP8_FEW_ROWS else round_rows_through_fp8(x)) @ dequantized.t()
     got = quantize_fp8(weight.cuda()).linear(x.cuda().bfloat16()).float().cpu()
     torch.testing.assert_close(got, expected, atol=0.1, rtol=0.02)  # bf16 output, accumulation order
 
