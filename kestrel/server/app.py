@@ -15,7 +15,14 @@ import kestrel
 from kestrel.server.disaggregation import RemoteDecode
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
 from kestrel.server.errors import BodySizeLimit, install_error_handlers
-from kestrel.server.formatting import chat_logprobs, legacy_logprobs, text_offsets, token_id_piece, usage
+from kestrel.server.formatting import (
+    chat_logprobs,
+    legacy_logprobs,
+    prompt_logprobs_entries,
+    text_offsets,
+    token_id_piece,
+    usage,
+)
 from kestrel.server.generation import (
     ChoiceResult,
     Generation,
@@ -177,7 +184,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     if body.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     prompts = await _completion_prompts(state, body.prompt)
-    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    prompt_logprobs = _prompt_logprobs_count(state, body)
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens must be at least 1 unless echo is set", "max_tokens")
     constraint = await checked_constraint(body)
@@ -206,6 +213,21 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     )
 
 
+def _prompt_logprobs_count(state: ServerState, body: CompletionRequest) -> int | None:
+    """How many alternatives the engine scores at each prompt position: for `echo` with
+    `logprobs`, and for vLLM's `prompt_logprobs` (whole responses only), the larger."""
+    echoed = body.logprobs if body.echo and body.logprobs is not None else None
+    asked = body.prompt_logprobs
+    if asked is None:
+        return echoed
+    if body.stream:
+        raise bad_request("prompt_logprobs is not supported with stream: true", "prompt_logprobs")
+    limit = state.settings.max_logprobs
+    if not 0 <= asked <= limit:
+        raise bad_request(f"prompt_logprobs must be in [0, {limit}] (--max-logprobs), got {asked}", "prompt_logprobs")
+    return max(asked, echoed or 0)
+
+
 def _completion_choice(state: ServerState, body: CompletionRequest, result: ChoiceResult) -> dict:
     prompt = result.prompt
     prompt_text = prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
@@ -219,13 +241,19 @@ def _completion_choice(state: ServerState, body: CompletionRequest, result: Choi
             entries = list(result.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
             offsets = text_offsets(state.tokenizer, [], prompt.token_ids, 0) + offsets
         logprobs = legacy_logprobs(token_ids, entries, body.logprobs, _piece(state, body), offsets)
-    return {
+    choice = {
         "index": result.index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
     }
+    if body.prompt_logprobs is not None:
+        entries = result.prompt_logprobs or [None] * len(prompt.token_ids)
+        choice["prompt_logprobs"] = prompt_logprobs_entries(
+            prompt.token_ids, entries, body.prompt_logprobs, _piece(state, body)
+        )
+    return choice
 
 
 async def _completion_chunks(

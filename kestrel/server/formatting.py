@@ -48,6 +48,25 @@ def legacy_logprobs(
     return result
 
 
+def prompt_logprobs_entries(
+    token_ids: list[int], entries: list[PositionLogprobs | None], count: int, piece: Any
+) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: for each prompt token, None where nothing precedes it, else
+    {token id: {logprob, rank, decoded_token}} for the prompt's own token and the `count`
+    most likely ones at that position."""
+    rendered: list[dict[str, dict] | None] = []
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            rendered.append(None)
+            continue
+        likeliest = sorted(entry.items(), key=lambda item: -item[1].logprob)[:count]
+        chosen = {token_id: entry[token_id], **dict(likeliest)}
+        rendered.append(
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": piece(t)} for t, lp in chosen.items()}
+        )
+    return rendered
+
+
 def text_offsets(tokenizer: Any, context_ids: list[int], token_ids: list[int], start: int) -> list[int]:
     """Where each token's text starts, decoding as the engine does (after `context_ids`), so the
     offsets add up to the text even where a token ends inside a UTF-8 character."""

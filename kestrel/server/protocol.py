@@ -48,7 +48,6 @@ NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1,
     "guided_whitespace_pattern": _unset,
     "priority": lambda v: v is None or v == 0,
-    "prompt_logprobs": lambda v: v is None,
     "truncate_prompt_tokens": lambda v: v is None,
     "use_beam_search": _unset,
     "length_penalty": lambda v: v is None or v == 1,
@@ -61,6 +60,7 @@ NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 # Per endpoint, where the two differ in what a field's default is or whether it is served.
 CHAT_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "prompt_logprobs": lambda v: v is None,  # served on /v1/completions
     "chat_template": lambda v: v is None,  # a template sent with the request
     "documents": _unset,
     "continue_final_message": _unset,
@@ -171,6 +171,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the most likely
 
 
 class TextPart(BaseModel):

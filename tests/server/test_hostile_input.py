@@ -108,7 +108,6 @@ def test_fields_kestrel_does_not_implement_are_refused_by_name(server, field, va
     "path, body, field",
     [
         ("/v1/completions", {"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
-        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs"),
         ("/v1/responses", {"input": "hi", "background": True}, "background"),
         ("/v1/responses", {"input": "hi", "truncation": "auto"}, "truncation"),
     ],

@@ -104,6 +104,22 @@ def test_echo_prompt_logprobs_legacy_format(server):
     assert all(len(top) <= 3 for top in logprobs["top_logprobs"][1:])
 
 
+def test_prompt_logprobs_in_vllms_shape_agree_with_the_echoed_logprobs(server):
+    prompt = "The quick brown fox jumps"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt_logprobs": 3}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    entries, echoed = choice["prompt_logprobs"], choice["logprobs"]
+    tokens = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    assert len(entries) == len(tokens) and entries[0] is None
+    for token, entry, logprob in zip(tokens[1:], entries[1:], echoed["token_logprobs"][1:]):
+        assert str(token) in entry and entry[str(token)]["logprob"] == logprob  # the prompt's own token
+        assert 3 <= len(entry) <= 4  # and the three likeliest (one of which it may be)
+        ranks = sorted(alternative["rank"] for alternative in entry.values())
+        assert ranks[:3] == [1, 2, 3]
+    streamed = dict(body, stream=True)
+    assert post(server, "/v1/completions", streamed).status_code == 400
+
+
 def test_chat_logprobs(client):
     result = client.chat.completions.create(
         model=MODEL_NAME,
