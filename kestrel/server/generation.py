@@ -80,7 +80,7 @@ class Generation:
     client: EngineClient
     metrics: ServerMetrics
     prompts: list[PreparedPrompt]
-    params: SamplingParams
+    params: list[SamplingParams]  # each prompt's: max_tokens resolved against its own length
     n: int
     log_requests: bool = True  # one info line per finished choice (never the prompt text)
     # Disaggregated serving: compute the prompt for a decode instance, or start from the
@@ -98,7 +98,7 @@ class Generation:
         return len(self.prompts) * self.n
 
     def choice_params(self, index: int) -> SamplingParams:
-        return admission.fan_out(self.params.replace(n=self.n))[index % self.n]
+        return admission.fan_out(self.params[index // self.n].replace(n=self.n))[index % self.n]
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(choice index, delta) as they arrive from every choice; leaving early aborts all."""

@@ -67,9 +67,7 @@ async def encode_text(state: ServerState, text: str, param: str, add_special_tok
 def generation_for(
     state: ServerState, body: SamplingFields, prompts: list[PreparedPrompt], params_for: Any
 ) -> Generation:
-    params = None
-    for prompt in prompts:
-        params = params_for(len(prompt.token_ids))  # validates each prompt against the context window
+    params = [params_for(len(prompt.token_ids)) for prompt in prompts]  # each against the context window
     handoff = parse_handoff(body.kv_transfer_params, state.settings.kv_role, body.n, bool(body.stream))
     if handoff is not None and len(prompts) != 1:
         raise bad_request("kv_transfer_params hand over one prompt; send one", "kv_transfer_params")

@@ -22,6 +22,10 @@ def post(server, path: str, body: object, headers: dict | None = None) -> httpx.
     return httpx.post(f"{server.base_url}{path}", json=body, headers=headers or server.headers, timeout=60)
 
 
+def post_get(server, path: str) -> dict:
+    return httpx.get(f"{server.base_url}{path}", headers=server.headers, timeout=60).json()
+
+
 # ---- plain endpoints ------------------------------------------------------------------------
 
 
@@ -118,6 +122,14 @@ def test_prompt_logprobs_in_vllms_shape_agree_with_the_echoed_logprobs(server):
         assert ranks[:3] == [1, 2, 3]
     streamed = dict(body, stream=True)
     assert post(server, "/v1/completions", streamed).status_code == 400
+
+
+def test_each_prompt_of_a_request_fills_its_own_context_window(server):
+    window = post_get(server, "/v1/models")["data"][0]["max_model_len"]
+    short, long = [5] * (window // 2), [5] * (window - 8)  # the longer last: its room is the smaller
+    body = {"model": MODEL_NAME, "prompt": [short, long], "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    answer = post(server, "/v1/completions", body).json()
+    assert answer["usage"]["completion_tokens"] == 2 * window - len(short) - len(long)
 
 
 def test_chat_logprobs(client):
