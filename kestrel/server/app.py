@@ -37,6 +37,7 @@ from kestrel.server.preparation import (
     generation_for,
     prepare_chat,
     sampling_for,
+    truncated_prompts,
 )
 from kestrel.server.protocol import (
     ApiError,
@@ -183,7 +184,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     state.check_model(body.model)
     if body.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
-    prompts = await _completion_prompts(state, body.prompt)
+    prompts = truncated_prompts(body, await _completion_prompts(state, body.prompt), state.max_model_len)
     prompt_logprobs = _prompt_logprobs_count(state, body)
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens must be at least 1 unless echo is set", "max_tokens")

@@ -64,6 +64,20 @@ async def encode_text(state: ServerState, text: str, param: str, add_special_tok
     return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
+def truncated_prompts(body: SamplingFields, prompts: list[PreparedPrompt], max_model_len: int) -> list[PreparedPrompt]:
+    """vLLM's `truncate_prompt_tokens`: each prompt's last N tokens (-1: the context window's
+    worth); a truncated prompt's text is decoded from what is kept, where it is needed."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    if keep == -1:
+        keep = max_model_len
+    if keep == 0 or keep > max_model_len:
+        message = f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the context window), got {keep}"
+        raise bad_request(message, "truncate_prompt_tokens")
+    return [p if len(p.token_ids) <= keep else PreparedPrompt(p.token_ids[-keep:], None) for p in prompts]
+
+
 def generation_for(
     state: ServerState, body: SamplingFields, prompts: list[PreparedPrompt], params_for: Any
 ) -> Generation:
@@ -190,6 +204,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     constraint = await checked_constraint(body, tool_constraint(choice, body.tools or [], body.parallel_tool_calls))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     prompt = await chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+    (prompt,) = truncated_prompts(body, [prompt], state.max_model_len)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -48,7 +48,6 @@ NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1,
     "guided_whitespace_pattern": _unset,
     "priority": lambda v: v is None or v == 0,
-    "truncate_prompt_tokens": lambda v: v is None,
     "use_beam_search": _unset,
     "length_penalty": lambda v: v is None or v == 1,
     "spaces_between_special_tokens": lambda v: v is None or v is True,
@@ -96,6 +95,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context window holds).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     ignore_eos: bool = False
     min_tokens: int = 0
     stream: bool = False

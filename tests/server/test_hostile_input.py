@@ -88,7 +88,6 @@ def test_model_by_id_and_errors_name_their_field(server):
         ("guided_whitespace_pattern", " "),
         ("priority", 5),
         ("prompt_logprobs", 1),
-        ("truncate_prompt_tokens", 4),
         ("cache_salt", "tenant-a"),
         ("chat_template", "{{ messages[0].content }}"),
         ("continue_final_message", True),

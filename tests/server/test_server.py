@@ -132,6 +132,23 @@ def test_each_prompt_of_a_request_fills_its_own_context_window(server):
     assert answer["usage"]["completion_tokens"] == 2 * window - len(short) - len(long)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    tokens = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 3}
+    answer = post(server, "/v1/completions", body).json()
+    kept = post(server, "/detokenize", {"tokens": tokens[-3:]}).json()["prompt"]
+    assert answer["usage"]["prompt_tokens"] == 3 and answer["choices"][0]["text"].startswith(kept)
+    whole = post(server, "/v1/completions", dict(body, truncate_prompt_tokens=-1)).json()
+    assert whole["usage"]["prompt_tokens"] == len(tokens)
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+    assert (
+        post(server, "/v1/chat/completions", dict(chat, truncate_prompt_tokens=5)).json()["usage"]["prompt_tokens"] == 5
+    )
+    refused = post(server, "/v1/completions", dict(body, truncate_prompt_tokens=0))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_chat_logprobs(client):
     result = client.chat.completions.create(
         model=MODEL_NAME,
