@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import enum
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +109,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        # Accept a single stop string or any iterable, store an immutable tuple.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
@@ -194,3 +192,13 @@ class SamplingParams:
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    """A single stop string or any iterable of them, as an immutable tuple."""
+    if isinstance(stop, str):
+        return (stop,)
+    strings = tuple(stop or ()) if stop is None or isinstance(stop, Iterable) else None
+    if strings is None or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.80}")
+    return strings

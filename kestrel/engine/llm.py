@@ -51,6 +51,10 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}: {PROMPT_FORMS}"
+            )
         params = self._params_per_prompt(len(prompts), sampling_params)
         resolved = [self._resolve_prompt(p) for p in prompts]
         for (_, token_ids), sp in zip(resolved, params):
@@ -78,6 +82,8 @@ class LLM:
         """Apply the chat template (the tokenizer's, or `chat_template`) and generate; `tools` are
         rendered into the prompt by the template, as vLLM's `LLM.chat` does."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        for conversation in conversations:
+            _check_conversation(conversation)
         tokenizer = self._require_tokenizer()
         if chat_template is None and tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template= or use generate()")
@@ -120,7 +126,7 @@ class LLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self._resolve_prompt(prompt["prompt"])
-        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+        raise ValueError(f"got a prompt of type {type(prompt).__name__}: {PROMPT_FORMS}")
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> list[str]:
         """Add one request per requested sequence (n); return their ids."""
@@ -181,3 +187,18 @@ class _TokenSpeed:
             f"est. speed input: {self.input_tokens / seconds:.2f} toks/s, "
             f"output: {self.output_tokens / seconds:.2f} toks/s"
         )
+
+
+PROMPT_FORMS = "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
+
+
+def _check_conversation(conversation: Any) -> None:
+    """A conversation is a list of {"role": ..., "content": ...} messages (an assistant turn
+    may carry tool_calls instead of content): said before the template fails on it."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {conversation!r:.80}")
+    for index, message in enumerate(conversation):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"messages[{index}] must be a dict with a 'role', got {message!r:.80}")
+        if "content" not in message and "tool_calls" not in message:
+            raise ValueError(f"messages[{index}] ({message['role']}) has no 'content'")

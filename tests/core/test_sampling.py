@@ -118,6 +118,8 @@ def test_greedy_and_logprobs_with_ranks():
         ("n", 0, "n must"),
         ("logprobs", 50, "logprobs"),
         ("stop", [""], "stop strings"),
+        ("stop", 5, "stop must be a string or a list of strings"),
+        ("stop", ["ok", 7], "stop must be a string or a list of strings"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value, message):

@@ -98,12 +98,29 @@ def test_prompt_longer_than_max_model_len_is_refused_and_engine_keeps_serving(ch
         ("", "prompt is empty"),
         ({"prompt_token_ids": [1, 10**6]}, "out of range"),
         ({"text": "hi"}, "a prompt is a string"),
+        ([[1, 2]], "got a prompt of type list"),
+        (None, "prompts must be a prompt or a list of prompts, got NoneType"),
+        (7, "got int"),
     ],
 )
 def test_bad_prompts_get_clear_errors(qwen3_llm, prompt, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         qwen3_llm.generate(prompt, GREEDY, use_tqdm=False)
     assert len(qwen3_llm.generate("still serving", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ("hello", "messages must be a non-empty list"),
+        ([], "messages must be a non-empty list"),
+        ([{"content": "hi"}], r"messages\[0\] must be a dict with a 'role'"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant"}], r"messages\[1\] \(assistant\) has no 'content'"),
+    ],
+)
+def test_malformed_chat_messages_are_named_before_the_template_runs(qwen3_llm, messages, message):
+    with pytest.raises(ValueError, match=message):
+        qwen3_llm.chat(messages, GREEDY, use_tqdm=False)
 
 
 def test_missing_weights_unknown_architecture_and_missing_files(checkpoint_dir, tmp_path):
