@@ -203,7 +203,10 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     chat = ChatFormat(choice, state.tool_parser, state.reasoning, body.parallel_tool_calls)
     constraint = await checked_constraint(body, tool_constraint(choice, body.tools or [], body.parallel_tool_calls))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    prompt = await chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    prompt = await chat_prompt(state, body.messages, body.add_generation_prompt, template_kwargs, tools)
     (prompt,) = truncated_prompts(body, [prompt], state.max_model_len)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

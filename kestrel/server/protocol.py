@@ -262,6 +262,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # OpenAI's; handed to the chat template, as vLLM does (GPT-OSS's template reads it).
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

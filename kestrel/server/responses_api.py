@@ -89,6 +89,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         seed=body.seed,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body.text),
+        reasoning_effort=(body.reasoning or {}).get("effort"),
     )
     if body.tools:
         fields["tools"] = [_chat_tool(tool) for tool in body.tools]

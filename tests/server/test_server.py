@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME
+from tests.server.conftest import API_KEY, MODEL_NAME, ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +346,34 @@ def test_every_sampling_field_is_accepted_and_applied(server):
     assert len(set(tokens)) < len(tokens), "greedy output of the random model repeats tokens"
     assert penalised["text"] != plain["text"]  # the penalties changed what greedy decoding picks
     assert len(penalised["logprobs"]["tokens"]) == 40
+
+
+def test_template_arguments_reach_the_chat_template(server_model, tmp_path):
+    """`chat_template_kwargs` and OpenAI's `reasoning_effort` (Responses: `reasoning.effort`)
+    are rendered by the template: one that writes them into the prompt, which the model then
+    reads as more prompt tokens."""
+    template = tmp_path / "template.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if reasoning_effort is defined %} effort {{ reasoning_effort }}{% endif %}"
+        "{% if mood is defined %} mood {{ mood }}{% endif %}"
+    )
+    server = ServerProcess(server_model, "--chat-template", str(template))
+    try:
+        chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+        def prompt_tokens(path: str, body: dict) -> int:
+            answer = post(server, path, body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["usage"]["prompt_tokens" if path.endswith("completions") else "input_tokens"]
+
+        plain = prompt_tokens("/v1/chat/completions", chat)
+        effort = prompt_tokens("/v1/chat/completions", dict(chat, reasoning_effort="high"))
+        mood = prompt_tokens("/v1/chat/completions", dict(chat, chat_template_kwargs={"mood": "calm"}))
+        assert effort > plain and mood > plain
+        responses = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 1}
+        assert prompt_tokens("/v1/responses", dict(responses, reasoning={"effort": "high"})) == effort
+        refused = post(server, "/v1/chat/completions", dict(chat, reasoning_effort="extreme"))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+    finally:
+        server.stop()
