@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kestrel.server.protocol import ApiError, bad_request
+from kestrel.server.protocol import ApiError, bad_request, validation_problems
 
 
 class BodySizeLimit:
@@ -69,5 +69,5 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         location = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in error.errors())
+        message = validation_problems(error.errors())
         return error_response(request, bad_request(message or "invalid request", location))

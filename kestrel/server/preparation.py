@@ -29,6 +29,7 @@ from kestrel.server.protocol import (
     ChatCompletionRequest,
     SamplingFields,
     bad_request,
+    validation_problems,
 )
 from kestrel.server.state import ServerState
 from kestrel.server.structured import checked_constraint
@@ -179,8 +180,7 @@ def translated_chat_request(fields: dict[str, Any], extra: dict[str, Any] | None
     try:
         return ChatCompletionRequest(**with_extra_fields(fields, extra))
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-        raise bad_request(problems.replace("messages", param), param) from None
+        raise bad_request(validation_problems(error.errors()).replace("messages", param), param) from None
     except ValueError as error:
         raise bad_request(f"{param}: {error}", param) from None
 

@@ -38,6 +38,11 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
 
 
+def validation_problems(errors: list[dict[str, Any]]) -> str:
+    """Pydantic's errors as one line: each field's dotted location and what is wrong with it."""
+    return "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors)
+
+
 def _unset(value: Any) -> bool:
     return value is None or value is False or value == [] or value == {}
 

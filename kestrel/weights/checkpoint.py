@@ -54,10 +54,12 @@ def _open_shard(path: Path) -> Any:
     """A safetensors file opened for reading; one that cannot be read is an error naming it."""
     try:
         return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as error:
+    except SafetensorError as error:
         raise CorruptWeightsError(
             f"cannot read {path}: {error} (a truncated or corrupt file? download it again)"
         ) from None
+    except OSError as error:  # unreadable: permissions, a dangling link
+        raise CorruptWeightsError(f"cannot read {path}: {error}") from None
 
 
 class UnsupportedQuantizationError(ValueError):
