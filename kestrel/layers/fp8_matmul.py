@@ -5,7 +5,7 @@ largest magnitude maps to e4m3's largest value, 448) in one Triton launch, then 
 on the float8 tensor cores through `torch._scaled_mm` (cuBLASLt / CUTLASS with row-wise
 scales): out = (x_q * x_scale) @ (w_q * w_scale).T. A one-row step is a pure weight read, so
 it takes the Triton matvec over the float8 weight with bf16 activations (layers/gemv.py); so
-is a step of a few rows (`FEW_ROWS`), which `few_rows_linear` multiplies on the tensor cores
+is a step of a few rows (`FP8_FEW_ROWS`), which `few_rows_linear` multiplies on the tensor cores
 with the weights widened in registers, each read once for all the rows: through cuBLASLt at
 eight rows a Llama-3-8B FP8 decode step took 5.7 ms on an H100, where one row took 3.5.
 """
@@ -86,9 +86,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-FEW_ROWS = FP8_FEW_ROWS  # tl.dot's least tile height: one tile holds every row of such a step
-
-
 @dataclass(frozen=True)
 class FewRowsLaunch:
     """Output columns (weight rows) per program, columns read per step, warps, stages. The
@@ -144,7 +141,7 @@ def _few_rows_kernel(
 def few_rows_linear(
     x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, launch: FewRowsLaunch | None = None
 ) -> torch.Tensor:
-    """x [rows <= FEW_ROWS, K] @ (values * scales[:, None]).T in x's dtype, bf16 activations as
+    """x [rows <= FP8_FEW_ROWS, K] @ (values * scales[:, None]).T in x's dtype, bf16 activations as
     they are (as the one-row matvec takes them). `launch` overrides the default (sweeps)."""
     x = x.contiguous()
     rows, k = x.shape
@@ -162,7 +159,7 @@ def few_rows_linear(
         x.stride(0),
         values.stride(0),
         out.stride(0),
-        BLOCK_M=FEW_ROWS,
+        BLOCK_M=FP8_FEW_ROWS,  # tl.dot's least tile height: one tile holds every row
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
         num_warps=launch.num_warps,
@@ -178,7 +175,7 @@ def fp8_linear(
     """x [rows, K] (bf16 or fp16) @ (values * scales[:, None]).T (+ bias), in x's dtype."""
     if x.shape[0] == 1:
         return gemv.gemv(x, values, bias, scale=scales)
-    if x.shape[0] <= FEW_ROWS:
+    if x.shape[0] <= FP8_FEW_ROWS:
         out = few_rows_linear(x, values, scales)
         return out if bias is None else out + bias
     quantized, row_scales = quantize_rows(x)
