@@ -9,7 +9,7 @@ second (codes, scales and zeros), beside the bf16 Triton matvec on the same shap
 its autotuned launch and a grid that includes loads twice as wide (a float8 element is half
 a bf16 one, so a bf16-tuned block moves half the bytes), as float8 bytes read per second.
 
-    python scripts/gemv_bench.py [--sweep | --int4 | --float8] [--dummy-config NAME]
+    python scripts/gemv_bench.py [--sweep | --int4 | --float8 [--few-rows]] [--dummy-config NAME]
 
 With --dummy-config the shapes are that model's one-row linears (each distinct weight shape
 that declares a `matvec_weight`, with how many layers hold it) instead of Llama-3-8B's.
@@ -73,13 +73,15 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every configuration of a wide grid")
     parser.add_argument("--int4", action="store_true", help="time the 4-bit matvec instead")
     parser.add_argument("--float8", action="store_true", help="time the float8 matvec instead")
+    parser.add_argument("--few-rows", action="store_true", help="with --float8: only the steps of 2 to 16 rows")
     parser.add_argument("--dummy-config", help="that built-in shape's matvec weights instead of Llama-3-8B's")
     args = parser.parse_args()
     shapes = model_shapes(args.dummy_config) if args.dummy_config else SHAPES
     if args.int4:
         return int4_matvecs()
     if args.float8:
-        float8_matvecs(shapes)
+        if not args.few_rows:
+            float8_matvecs(shapes)
         return float8_few_rows(shapes)
     configs = sweep_configs() if args.sweep else []
     print(f"{'layer':<18}{'cuBLAS TB/s':>12}{'Triton TB/s':>12}  kept")
@@ -171,9 +173,13 @@ def float8_matvecs(shapes: dict[str, tuple[int, int]]) -> None:
 
 
 FEW_ROWS_LAUNCHES = [
-    fp8_matmul.FewRowsLaunch(n, k, warps, stages)
+    fp8_matmul.FewRowsLaunch(n, k, warps, stages, splits=1)
     for n, k, warps, stages in [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4), (16, 512, 4, 4)]
     + [(64, 256, 8, 4), (128, 128, 4, 4)]
+] + [  # the reduction split over 2 to 8 programs a column block
+    fp8_matmul.FewRowsLaunch(n, k, 4, stages, splits)
+    for n, k, stages in [(32, 512, 3), (32, 256, 4), (16, 512, 4)]
+    for splits in (2, 4, 8)
 ]
 
 
@@ -181,7 +187,10 @@ def float8_few_rows(shapes: dict[str, tuple[int, int]]) -> None:
     """Steps of 2 to 16 rows: the few-rows kernel's launches against cuBLASLt's float8 matmul
     (rows quantized per token first, what such steps took before) and bf16 cuBLAS, as
     microseconds a call."""
-    print(f"{'layer':<18}{'rows':>5}{'bf16 cuBLAS':>12}{'fp8 cuBLASLt':>13}{'few rows':>10}  best launch (us a call)")
+    print(
+        f"{'layer':<18}{'rows':>5}{'bf16 cuBLAS':>12}{'fp8 cuBLASLt':>13}{'unsplit':>10}{'default':>9}{'best':>7}"
+        "  best launch (us a call)"
+    )
     for name, (n, k) in shapes.items():
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         packed = quantize_fp8(dense)
@@ -202,8 +211,14 @@ def float8_few_rows(shapes: dict[str, tuple[int, int]]) -> None:
                 return lambda inputs, w: fp8_matmul.few_rows_linear(inputs, w, scales, launch)
 
             bf16 = micros(torch.nn.functional.linear, gemv._weights_beyond_cache(dense))
-            best, launch = min(((micros(few_rows(c)), c) for c in FEW_ROWS_LAUNCHES), key=lambda pair: pair[0])
-            print(f"{name:<18}{rows:>5}{bf16:>12.1f}{micros(cublaslt):>13.1f}{best:>10.1f}  {launch}")
+            timed = [(micros(few_rows(c)), c) for c in FEW_ROWS_LAUNCHES]
+            best, launch = min(timed, key=lambda pair: pair[0])
+            unsplit = min(t for t, c in timed if c.splits == 1)
+            default = micros(few_rows(None))
+            print(
+                f"{name:<18}{rows:>5}{bf16:>12.1f}{micros(cublaslt):>13.1f}{unsplit:>10.1f}{default:>9.1f}{best:>7.1f}"
+                f"  {launch}"
+            )
 
 
 def fused_matvecs() -> None:

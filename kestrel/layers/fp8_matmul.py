@@ -46,25 +46,53 @@ def _round_to_e4m3(x):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    K,
+    stride_x,
+    stride_out,
+    BLOCK_K: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
-    """One row: scale = max|x| / 448, out = x / scale in e4m3 (round to nearest)."""
+    """One row: scale = max|x| / 448, out = x / scale in e4m3 (round to nearest). WHOLE_ROW
+    (BLOCK_K covers K) keeps the row in registers between the two steps: one read of it, and
+    no second round of load latency, which is what a 4,096-column row's time went to."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
+    x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_out
     wait_for_inputs(DEPENDENT)
-    largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(largest, axis=0), tl.full([], E4M3_MAX, tl.float32)), MIN_SCALE)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        # IEEE division: `/` is approximate on the GPU.
-        quantized = _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -E4M3_MAX, E4M3_MAX))
-        tl.store(
-            out_ptr + row * stride_out + start + cols, quantized.to(out_ptr.dtype.element_ty), mask=start + cols < K
-        )
+    if WHOLE_ROW:
+        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale = _row_scale(tl.abs(x))
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_row + cols, _to_e4m3(x, scale).to(out_ptr.dtype.element_ty), mask=cols < K)
+    else:
+        largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
+            largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
+        scale = _row_scale(largest)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, K, BLOCK_K):
+            x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+            tl.store(out_row + start + cols, _to_e4m3(x, scale).to(out_ptr.dtype.element_ty), mask=start + cols < K)
+
+
+@triton.jit
+def _row_scale(magnitudes):
+    return tl.maximum(tl.math.div_rn(tl.max(magnitudes, axis=0), tl.full([], E4M3_MAX, tl.float32)), MIN_SCALE)
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    # IEEE division: `/` is approximate on the GPU.
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -E4M3_MAX, E4M3_MAX))
+
+
+# Widest row a program holds in registers: 32 float32 values a thread at 16 warps.
+WHOLE_ROW_LIMIT = 16384
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +101,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
+        whole_row = triton.next_power_of_2(k) <= WHOLE_ROW_LIMIT
+        block_k = triton.next_power_of_2(k) if whole_row else 2048
         _quantize_rows_kernel[(rows,)](
             x,
             values,
@@ -80,7 +110,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k,
             x.stride(0),
             values.stride(0),
-            BLOCK_K=min(2048, triton.next_power_of_2(k)),
+            BLOCK_K=block_k,
+            WHOLE_ROW=whole_row,
+            # About 16 values a thread: registers enough for the row and the rounding's temporaries.
+            num_warps=max(4, min(16, block_k // 512)),
             **dependent_launch_args(x.device),
         )
     return values, scales
@@ -88,15 +121,33 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class FewRowsLaunch:
-    """Output columns (weight rows) per program, columns read per step, warps, stages. The
-    default was the best of seven launches (`gemv_bench --float8`, H100) for Llama-3-8B's qkv,
-    o and down projections at 2 to 16 rows; gate/up's best read 256 columns a step in four
-    stages (45.2 us at two rows, against cuBLASLt's 55.0)."""
+    """Output columns (weight rows) per program, columns read per step, warps, stages, and the
+    programs a column block's reduction is split over (`splits`: partial sums in float32, then
+    one launch adds them; None picks it by `reduction_splits`). The default was the best of 16
+    launches (`gemv_bench --float8 --few-rows`, H100) for each of Llama-3-8B's projections at 2
+    to 16 rows, with the splits that rule picks."""
 
     block_n: int = 32
-    block_k: int = 512
+    block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
+    splits: int | None = None
+
+
+# Programs a launch wants: about four a multiprocessor on an H100 or H200 (132 of them). With
+# fewer, each program's long reduction is one stream of loads; an unsplit 4,096-output
+# projection (128 column blocks) read at a third of the copy rate.
+FEW_ROWS_PROGRAMS = 512
+MAX_SPLITS = 8
+
+
+def reduction_splits(column_blocks: int) -> int:
+    """The largest power of two (at most MAX_SPLITS) that keeps the launch within
+    FEW_ROWS_PROGRAMS: Llama-3-8B's o and down projections split 4 ways, qkv 2, gate/up not."""
+    splits = 1
+    while splits < MAX_SPLITS and column_blocks * splits * 2 <= FEW_ROWS_PROGRAMS:
+        splits *= 2
+    return splits
 
 
 @triton.jit
@@ -108,34 +159,53 @@ def _few_rows_kernel(
     M,
     N,
     K,
+    K_PER_SPLIT,
     stride_x,
     stride_w,
     stride_out,
+    stride_split,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
-    """out[m, n] = (x[m] . w[n]) * scale[n] for the M (at most BLOCK_M) rows of x: a program
-    reads its BLOCK_N float8 weight rows once, widened to x's dtype for the tensor cores
-    (exact: every e4m3 value is a bf16 one), float32 accumulation."""
+    """out[split, m, n] = (x[m, ks] . w[n, ks]) * scale[n] for the M (at most BLOCK_M) rows of
+    x over the split's K_PER_SPLIT columns ks (all K when unsplit): a program reads its BLOCK_N
+    float8 weight rows once, widened to x's dtype for the tensor cores (exact: every e4m3 value
+    is a bf16 one), float32 accumulation."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     depth = tl.arange(0, BLOCK_K)
     in_cols, in_rows = cols < N, rows < M
     w_rows = w_ptr + cols[:, None] * stride_w
     x_rows = x_ptr + rows[:, None] * stride_x
+    end = tl.minimum(K, (split + 1) * K_PER_SPLIT)
     wait_for_inputs(DEPENDENT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    for start in range(split * K_PER_SPLIT, end, BLOCK_K):
         block = start + depth
-        in_depth = (block < K)[None, :]
+        in_depth = (block < end)[None, :]
         w = tl.load(w_rows + block[None, :], mask=in_cols[:, None] & in_depth, other=0.0)
         x = tl.load(x_rows + block[None, :], mask=in_rows[:, None] & in_depth, other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     acc *= tl.load(scale_ptr + cols, mask=in_cols, other=0.0)[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=in_rows[:, None] & in_cols[None, :])
+    out_rows = out_ptr + split * stride_split + rows[:, None] * stride_out
+    tl.store(out_rows + cols[None, :], out, mask=in_rows[:, None] & in_cols[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
+    """out = the sum of SPLITS float32 partials [SPLITS, numel], in split order (the same sum
+    on every run), in out's dtype."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    wait_for_inputs(DEPENDENT)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        total += tl.load(partial_ptr + split * numel + offsets, mask=inside, other=0.0)
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def few_rows_linear(
@@ -147,18 +217,25 @@ def few_rows_linear(
     rows, k = x.shape
     n = values.shape[0]
     launch = launch or FewRowsLaunch()
+    column_blocks = triton.cdiv(n, launch.block_n)
+    wanted = launch.splits or reduction_splits(column_blocks)
+    steps_per_split = triton.cdiv(triton.cdiv(k, launch.block_k), wanted)
+    splits = triton.cdiv(triton.cdiv(k, launch.block_k), steps_per_split)  # none left empty
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _few_rows_kernel[(triton.cdiv(n, launch.block_n),)](
+    partials = out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
+    _few_rows_kernel[(column_blocks, splits)](
         x,
         values,
         scales,
-        out,
+        partials,
         rows,
         n,
         k,
+        steps_per_split * launch.block_k,
         x.stride(0),
         values.stride(0),
-        out.stride(0),
+        n,
+        rows * n,
         BLOCK_M=FP8_FEW_ROWS,  # tl.dot's least tile height: one tile holds every row
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
@@ -166,6 +243,11 @@ def few_rows_linear(
         num_stages=launch.num_stages,
         **dependent_launch_args(x.device),
     )
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(rows * n, block),)](
+            partials, out, rows * n, SPLITS=splits, BLOCK=block, **dependent_launch_args(x.device)
+        )
     return out
 
 

@@ -88,7 +88,7 @@ CASES = {
     "quantize_rows_float8": (
         fp8_matmul._quantize_rows_kernel,
         {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-        dict(BLOCK_K=2048, DEPENDENT=True),
+        dict(BLOCK_K=4096, WHOLE_ROW=True, DEPENDENT=True),
     ),
     "gemv_silu_and_mul": (
         gemv._gemv_silu_and_mul_kernel,

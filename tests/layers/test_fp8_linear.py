@@ -89,8 +89,8 @@ def test_the_one_row_matvec_reads_float8_rows_times_their_scales():
 
 
 @pytest.mark.skipif(not TRITON, reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("rows", [2, 5, FP8_FEW_ROWS])
-def test_a_few_rows_read_each_float8_row_once_times_its_scale(rows):
+@pytest.mark.parametrize(("rows", "splits"), [(2, 1), (5, 1), (FP8_FEW_ROWS, 1), (5, 2), (FP8_FEW_ROWS, 4)])
+def test_a_few_rows_read_each_float8_row_once_times_its_scale(rows, splits):
     from kestrel.layers.fp8_matmul import FewRowsLaunch, few_rows_linear
 
     torch.manual_seed(4)
@@ -98,9 +98,21 @@ def test_a_few_rows_read_each_float8_row_once_times_its_scale(rows):
     packed = quantize_fp8(torch.randn(40, 300))  # ragged against the launch's blocks below
     values, scales = packed.values.to(device), packed.scales.to(device)
     x = torch.randn(rows, 300, device=device, dtype=torch.bfloat16 if CUDA else torch.float32)
-    got = few_rows_linear(x, values, scales, FewRowsLaunch(block_n=16, block_k=64, num_stages=2))
+    # 300 columns in blocks of 64: 5 steps; 2 splits take 3 + 2, and 4 become 3 of 2 + 2 + 1.
+    got = few_rows_linear(x, values, scales, FewRowsLaunch(block_n=16, block_k=64, num_stages=2, splits=splits))
     expected = x.float() @ (values.float() * scales[:, None]).t()
     torch.testing.assert_close(got.float(), expected, atol=2e-2 if CUDA else 1e-5, rtol=1e-2 if CUDA else 1e-5)
+
+
+def test_a_few_rows_split_the_reduction_only_where_too_few_column_blocks_fill_the_gpu():
+    from kestrel.layers.fp8_matmul import FEW_ROWS_PROGRAMS, MAX_SPLITS, reduction_splits
+
+    # Llama-3-8B in blocks of 32 outputs: o and down (4,096), qkv (6,144), gate/up (28,672).
+    assert [reduction_splits(n // 32) for n in (4096, 6144, 28672)] == [4, 2, 1]
+    assert reduction_splits(1) == MAX_SPLITS
+    for blocks in range(1, 2 * FEW_ROWS_PROGRAMS):
+        splits = reduction_splits(blocks)
+        assert blocks * splits <= max(FEW_ROWS_PROGRAMS, blocks)
 
 
 @pytest.mark.skipif(
