@@ -130,3 +130,29 @@ def test_one_row_steps_fold_each_norm_into_the_matvecs_that_read_it(family, chec
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
         for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_one_row_steps_over_float8_weights_fold_their_norms_too(family, checkpoint_dir, monkeypatch):
+    """`--quantization fp8` at one row: the float8 matvec takes each layer's norms, residual
+    adds, rotary and activation as the bf16 one does (every layer runs folded), and the tokens
+    and logprobs are the CPU path's (activations of one row unrounded there too)."""
+    from kestrel.models.dense import ResidualBlock
+
+    path = str(checkpoint_dir(family))
+    one_at_a_time = [[prompt] for prompt in PROMPTS]
+    quantized = OPTIONS | dict(quantization="fp8")
+    expected = [LLM(path, **quantized).generate(prompt, PARAMS, use_tqdm=False)[0] for prompt in one_at_a_time]
+    folded, unfolded = [], ResidualBlock.forward_folded
+    monkeypatch.setattr(ResidualBlock, "forward_folded", lambda *args: folded.append(1) or unfolded(*args))
+    with kernels_on_cpu():
+        llm = LLM(path, **quantized)
+        layers = [m for m in llm.engine.parts.runner.model.modules() if isinstance(m, ResidualBlock)]
+        hidden_size = layers[0].input_layernorm.weight.shape[0]
+        assert all(layer.folds(torch.zeros(1, hidden_size)) for layer in layers)
+        got = [llm.generate(prompt, PARAMS, use_tqdm=False)[0] for prompt in one_at_a_time]
+    assert len(folded) >= len(layers) * (PARAMS.max_tokens - 1) * len(PROMPTS)
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a.keys() & b.keys())

@@ -173,23 +173,29 @@ def _gemv_silu_and_mul_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    scale_ptr,
     norm_ptr,
     WIDTH,
     K,
     stride_w,
     eps,
+    HAS_SCALE: tl.constexpr,
     NORMED: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[n] = silu(gate[n]) * up[n], where gate = w[:WIDTH] @ x and up = w[WIDTH:] @ x
-    (NORMED: of RMSNorm(x), `row_dots`)."""
+    (NORMED: of RMSNorm(x), `row_dots`; HAS_SCALE: a float8 weight, each row's dot times its
+    scale)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < WIDTH
     gate, up = row_dots(
         x_ptr, w_ptr, rows, in_rows, K, stride_w, WIDTH, norm_ptr, eps, True, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
     )
+    if HAS_SCALE:
+        gate *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
+        up *= tl.load(scale_ptr + WIDTH + rows, mask=in_rows, other=0.0)
     # Rounded where the separate linear and activation round, so both paths give the same bits.
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -206,6 +212,7 @@ def _gemv_rotary_kernel(
     out_ptr,
     cos_ptr,
     sin_ptr,
+    scale_ptr,
     norm_ptr,
     PAIRS,
     K,
@@ -214,14 +221,15 @@ def _gemv_rotary_kernel(
     eps,
     HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     NORMED: tl.constexpr,
     DEPENDENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """w @ x (+ bias) for the row pairs (d, d + HALF) of each head (NORMED: w @ RMSNorm(x),
-    `row_dots`); pairs in the first ROTATED_ROWS rows are then rotated by cos/sin [1, 2 *
-    HALF] (rotate-half layout)."""
+    `row_dots`; HAS_SCALE: a float8 weight, each row's dot times its scale); pairs in the
+    first ROTATED_ROWS rows are then rotated by cos/sin [1, 2 * HALF] (rotate-half layout)."""
     pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = pairs < PAIRS
     half = pairs % HALF
@@ -229,6 +237,9 @@ def _gemv_rotary_kernel(
     first, second = row_dots(
         x_ptr, w_ptr, first_rows, in_rows, K, stride_w, HALF, norm_ptr, eps, True, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
     )
+    if HAS_SCALE:
+        first *= tl.load(scale_ptr + first_rows, mask=in_rows, other=0.0)
+        second *= tl.load(scale_ptr + first_rows + HALF, mask=in_rows, other=0.0)
     if HAS_BIAS:
         first += tl.load(bias_ptr + first_rows, mask=in_rows, other=0.0).to(tl.float32)
         second += tl.load(bias_ptr + first_rows + HALF, mask=in_rows, other=0.0).to(tl.float32)
@@ -290,17 +301,23 @@ def gemv(
 
 
 def gemv_silu_and_mul(
-    x: torch.Tensor, weight: torch.Tensor, config: triton.Config | None = None, norm: RowNorm | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: triton.Config | None = None,
+    norm: RowNorm | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(gate) * up for x [1, K] (or norm(x)) and weight [2 * width, K] stacking the gate
-    rows, then the up rows -> [1, width]."""
+    rows, then the up rows -> [1, width]; `scale` [2 * width] as `gemv` takes it."""
     rows, k = _check_operands(x, weight)
     if rows % 2:
         raise ValueError(f"gemv_silu_and_mul takes gate and up rows stacked; got {rows} rows")
     width = rows // 2
     out = torch.empty((1, width), dtype=x.dtype, device=x.device)
-    args = (x.contiguous(), weight, out, _norm_weight(norm, out), width, k, weight.stride(0), _eps(norm))
-    launch_rows(_gemv_silu_and_mul_kernel, _tuned_silu_and_mul_kernel, width, config, args, NORMED=norm is not None)
+    args = (x.contiguous(), weight, out, _or(scale, out), _norm_weight(norm, out), width, k, weight.stride(0))
+    args += (_eps(norm),)
+    constants = dict(HAS_SCALE=scale is not None, NORMED=norm is not None)
+    launch_rows(_gemv_silu_and_mul_kernel, _tuned_silu_and_mul_kernel, width, config, args, **constants)
     return out
 
 
@@ -311,18 +328,20 @@ def gemv_rotary(
     rotation: HeadRotation,
     config: triton.Config | None = None,
     norm: RowNorm | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or norm(x)) @ weight[N, K].T (+ bias) -> [1, N], with `rotation` (cos and
-    sin [1, head_dim]) applied to its first heads."""
+    sin [1, head_dim]) applied to its first heads; `scale` [N] as `gemv` takes it."""
     head_dim, cos, sin = rotation.head_dim, rotation.cos, rotation.sin
     rows, k = _check_operands(x, weight)
     if rows % head_dim or head_dim % 2 or cos.shape != (1, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"gemv_rotary takes heads of {head_dim} rows and cos/sin [1, {head_dim}]")
     out = torch.empty((1, rows), dtype=x.dtype, device=x.device)
     pairs = rows // 2
-    args = (x.contiguous(), weight, _or(bias, out), out, cos, sin, _norm_weight(norm, out), pairs, k, weight.stride(0))
-    args += (rotation.heads * head_dim, _eps(norm))
-    constants = dict(HALF=head_dim // 2, HAS_BIAS=bias is not None, NORMED=norm is not None)
+    args = (x.contiguous(), weight, _or(bias, out), out, cos, sin, _or(scale, out), _norm_weight(norm, out), pairs, k)
+    args += (weight.stride(0), rotation.heads * head_dim, _eps(norm))
+    given = dict(HAS_BIAS=bias, HAS_SCALE=scale, NORMED=norm)
+    constants = {name: value is not None for name, value in given.items()} | dict(HALF=head_dim // 2)
     launch_rows(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
     return out
 

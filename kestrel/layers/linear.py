@@ -55,7 +55,7 @@ class Linear(nn.Module):
     def folds(self, x: torch.Tensor) -> bool:
         """Whether `x` takes the one-row matvec here, which applies an input norm and adds a
         residual inside its own launch (`ops.RowNorm`)."""
-        return isinstance(self.weight, torch.Tensor) and ops.takes_gemv(x, self.use_gemv)
+        return ops.matvec_operands(x, self.weight, self.use_gemv) is not None
 
     def forward(self, x: torch.Tensor, norm: ops.RowNorm | None = None) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias, self.use_gemv, norm=norm)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kestrel.core.kernel_branches import runs_kernels
 from kestrel.core.runtime import cpu_kernels
-from kestrel.layers.quantized import PackedWeight
+from kestrel.layers.quantized import Fp8Weight, PackedWeight
 
 # oneDNN's matmul beats the default BLAS path on the CPU from about 16 rows (batched decode
 # steps; measured on a 2-core Xeon: the 64 x 512 x 64000 LM head, 20.7 -> 17.8 ms); below
@@ -52,10 +52,12 @@ def linear(
     (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight),
     which folds the norm and the residual in; a one-row float32 CPU input Kestrel's
     (`choose_cpu_matvecs`). A packed weight (layers/quantized.py) takes its own kernel."""
-    if takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
+    operands = matvec_operands(x, weight, use_gemv)
+    if operands is not None:
         from kestrel.layers import gemv
 
-        return gemv.gemv(x, weight, bias, norm=norm, residual=residual)
+        values, scale = operands
+        return gemv.gemv(x, values, bias, scale=scale, norm=norm, residual=residual)
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps)
     if residual is None:
@@ -89,14 +91,16 @@ def _linear(
 
 
 def linear_silu_and_mul(
-    x: torch.Tensor, weight: torch.Tensor, use_gemv: bool = False, norm: RowNorm | None = None
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, use_gemv: bool = False, norm: RowNorm | None = None
 ) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) (of norm(x) with `norm`) for a weight stacking the gate
     rows, then the up rows: one kernel where a one-row linear takes the Triton matvec."""
-    if takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
+    operands = matvec_operands(x, weight, use_gemv)
+    if operands is not None:
         from kestrel.layers import gemv
 
-        return gemv.gemv_silu_and_mul(x, weight, norm=norm)
+        values, scale = operands
+        return gemv.gemv_silu_and_mul(x, values, norm=norm, scale=scale)
     return silu_and_mul(linear(x, weight, use_gemv=use_gemv, norm=norm))
 
 
@@ -113,7 +117,7 @@ class HeadRotation:
 
 def linear_rotary(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | PackedWeight,
     bias: torch.Tensor | None,
     rotation: HeadRotation,
     use_gemv: bool = False,
@@ -121,10 +125,12 @@ def linear_rotary(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) (of norm(x) with `norm`) with `rotation` applied: one kernel where
     a one-row linear takes the Triton matvec and the rotary dim is the head's."""
-    if rotation.cos.shape[-1] == rotation.head_dim and takes_gemv(x, use_gemv) and isinstance(weight, torch.Tensor):
+    operands = matvec_operands(x, weight, use_gemv)
+    if rotation.cos.shape[-1] == rotation.head_dim and operands is not None:
         from kestrel.layers import gemv
 
-        return gemv.gemv_rotary(x, weight, bias, rotation, norm=norm)
+        values, scale = operands
+        return gemv.gemv_rotary(x, values, bias, rotation, norm=norm, scale=scale)
     out = linear(x, weight, bias, use_gemv, norm=norm)
     tokens, width = out.shape[0], rotation.heads * rotation.head_dim
     heads = out[:, :width].view(tokens, rotation.heads, rotation.head_dim)
@@ -139,6 +145,21 @@ def takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
     so does a one-row CPU input of any dtype where the kernels run on the CPU (tests)."""
     half_or_cpu = x.dtype in _GEMV_DTYPES or not x.is_cuda
     return use_gemv and runs_kernels(x) and x.dim() == 2 and x.shape[0] == 1 and half_or_cpu
+
+
+def matvec_operands(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, use_gemv: bool
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What the one-row matvec (layers/gemv.py) reads for `weight` where `x` takes it: a dense
+    weight that start-up measurement gave it (`use_gemv`), or a float8 weight's values with
+    its per-row scales, which always take it (no other kernel reads them at one row). Its
+    norm, residual, rotary and activation then fold into that launch as for bf16 weights.
+    None where x takes another kernel."""
+    if isinstance(weight, Fp8Weight):
+        return (weight.values, weight.scales) if takes_gemv(x, True) else None
+    if isinstance(weight, torch.Tensor) and takes_gemv(x, use_gemv):
+        return weight, None
+    return None
 
 
 def _takes_cpu_matvec(x: torch.Tensor, use_gemv: bool) -> bool:

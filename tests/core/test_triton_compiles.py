@@ -93,12 +93,22 @@ CASES = {
     "gemv_silu_and_mul": (
         gemv._gemv_silu_and_mul_kernel,
         BF16_ROW | FOLDED_NORM,
-        dict(NORMED=True, DEPENDENT=True, BLOCK_N=1, BLOCK_K=4096),
+        dict(HAS_SCALE=False, NORMED=True, DEPENDENT=True, BLOCK_N=1, BLOCK_K=4096),
+    ),
+    "gemv_silu_and_mul_float8": (  # a float8 MLP at one row, its norm folded
+        gemv._gemv_silu_and_mul_kernel,
+        BF16_ROW | FOLDED_NORM | {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+        dict(HAS_SCALE=True, NORMED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
     "gemv_rotary": (
         gemv._gemv_rotary_kernel,
         BF16_ROW | {"cos_ptr": "*bf16", "sin_ptr": "*bf16"},
-        dict(HALF=64, HAS_BIAS=False, NORMED=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
+        dict(HALF=64, HAS_BIAS=False, HAS_SCALE=False, NORMED=False, DEPENDENT=True, BLOCK_N=2, BLOCK_K=1024),
+    ),
+    "gemv_rotary_float8": (
+        gemv._gemv_rotary_kernel,
+        BF16_ROW | FOLDED_NORM | {"cos_ptr": "*bf16", "sin_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+        dict(HALF=64, HAS_BIAS=False, HAS_SCALE=True, NORMED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
     "rms_norm": (
         fused._rms_norm_kernel,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import triton
 
+from kestrel.core.kernel_branches import kernels_on_cpu
 from kestrel.layers import fused, gemv, ops
 from kestrel.layers.linear import Linear
+from kestrel.layers.quantized import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter runs float32 on the CPU; a GPU checks the half types the kernel serves.
@@ -192,3 +196,44 @@ def test_the_folded_linear_normalises_and_adds_where_it_takes_no_matvec():
     got = ops.linear(x, weight, norm=norm, residual=residual)
     expected = ops.linear(ops.rms_norm(x, norm.weight, norm.eps), weight) + residual
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float8_weights_fold_the_norm_residual_rotary_and_activation_at_one_row(dtype):
+    """A float8 weight at one row takes the folded matvecs a dense one takes (its values, times
+    each row's scale): each gives what the same op gives on the dequantized weight."""
+    torch.manual_seed(7)
+    head_dim, k = 16, 72
+    x, norm, residual = _norm_and_residual(dtype, k, 40, dtype)
+    config = triton.Config({"BLOCK_N": 8, "BLOCK_K": 32})
+
+    def packed_and_dense(rows):
+        # Rows of very different sizes: a scale left out or misplaced moves the outputs.
+        packed = quantize_fp8(torch.randn(rows, k, device=DEVICE) * torch.logspace(-1, 1, rows, device=DEVICE)[:, None])
+        return packed, (packed.values.float() * packed.scales[:, None]).to(dtype)
+
+    out, out_dense = packed_and_dense(40)
+    got = gemv.gemv(x, out.values, config=config, scale=out.scales, norm=norm, residual=residual)
+    _close_to_a_rounding(got, gemv.gemv(x, out_dense, config=config, norm=norm, residual=residual))
+    gate_up, gate_up_dense = packed_and_dense(80)
+    got = gemv.gemv_silu_and_mul(x, gate_up.values, config=config, norm=norm, scale=gate_up.scales)
+    _close_to_a_rounding(got, gemv.gemv_silu_and_mul(x, gate_up_dense, config=config, norm=norm))
+    qkv, qkv_dense = packed_and_dense(4 * head_dim)
+    angles = torch.rand(1, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
+    rotation = ops.HeadRotation(angles.cos().to(dtype), angles.sin().to(dtype), 3, head_dim)
+    got = gemv.gemv_rotary(x, qkv.values, None, rotation, config=config, norm=norm, scale=qkv.scales)
+    _close_to_a_rounding(got, gemv.gemv_rotary(x, qkv_dense, None, rotation, config=config, norm=norm))
+
+
+def test_a_float8_weight_hands_its_values_and_scales_to_the_matvec_at_one_row_only():
+    linear = Linear(64, 32).to(DEVICE)
+    linear.weight.data.normal_()
+    linear.quantize("fp8")
+    packed = linear.weight
+    x = torch.randn(1, 64, device=DEVICE).to(DTYPES[0])
+    with kernels_on_cpu() if DEVICE == "cpu" else nullcontext():
+        values, scales = ops.matvec_operands(x, packed, use_gemv=False)  # whatever the dense choice
+        assert values is packed.values and scales is packed.scales
+        assert ops.matvec_operands(x.repeat(2, 1), packed, use_gemv=True) is None  # the few-rows kernel's
+        assert linear.folds(x) and not linear.folds(x.repeat(2, 1))
+    assert DEVICE == "cuda" or ops.matvec_operands(x, packed, use_gemv=True) is None  # the CPU's torch path
