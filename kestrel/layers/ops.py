@@ -51,7 +51,8 @@ def linear(
     linear adds it). `use_gemv`: a one-row CUDA input takes the Triton matvec
     (`choose_matvec_kernels` measured, at start-up, that it beats cuBLAS on this weight),
     which folds the norm and the residual in; a one-row float32 CPU input Kestrel's
-    (`choose_cpu_matvecs`). A packed weight (layers/quantized.py) takes its own kernel."""
+    (`choose_cpu_matvecs`). A packed weight (layers/quantized.py) takes its own kernel, but for
+    a float8 one at one row: the matvec too (`matvec_operands`)."""
     operands = matvec_operands(x, weight, use_gemv)
     if operands is not None:
         from kestrel.layers import gemv
