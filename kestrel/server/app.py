@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import kestrel
 from kestrel.server.disaggregation import RemoteDecode
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
-from kestrel.server.errors import BodySizeLimit, install_error_handlers
+from kestrel.server.errors import BodySizeLimit, StrictJsonRoute, install_error_handlers
 from kestrel.server.formatting import (
     chat_logprobs,
     legacy_logprobs,
@@ -56,6 +56,7 @@ from kestrel.server.tools import ChatDeltas, ChatFormat
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Kestrel", version=kestrel.__version__)
+    app.router.route_class = StrictJsonRoute  # before the routes: each is built with it
     app.state.kestrel = state
     install_error_handlers(app)
 

@@ -1,14 +1,18 @@
 """The server's errors in OpenAI's shape, whoever raises them: the routes (`ApiError`), request
 validation, the framework itself (unknown routes, wrong methods, unreadable bodies), and the
-body-size limit that answers before a body is read."""
+body-size limit that answers before a body is read. Bodies are read as strict JSON
+(`StrictJsonRoute`)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kestrel.server.protocol import ApiError, bad_request, validation_problems
@@ -30,6 +34,34 @@ class BodySizeLimit:
                 await JSONResponse(error.body(), status_code=413)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class StrictJsonRequest(Request):
+    """A request whose JSON body may not hold NaN or Infinity. Python's parser takes them, JSON
+    does not: a request field echoed back (a Responses request's `text`) then could not be
+    rendered, a 500 after the work was done."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            text = (await self.body()).decode("utf-8", errors="replace")
+            self._json = json.loads(text, parse_constant=lambda constant: _not_json(constant, text))
+        return self._json
+
+
+def _not_json(constant: str, text: str) -> Any:
+    raise json.JSONDecodeError(f"{constant} is not a JSON value (its numbers are finite)", text, text.find(constant))
+
+
+class StrictJsonRoute(APIRoute):
+    """Every route's body through `StrictJsonRequest` (`app.router.route_class`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handle(StrictJsonRequest(request.scope, request.receive))
+
+        return strict
 
 
 # Anthropic's error types by status, for the Messages API's routes.
@@ -68,6 +100,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # its location is a character of the body
+            reason = first.get("ctx", {}).get("error", "unreadable")
+            at = first.get("loc", (None, None))[-1]
+            return error_response(request, bad_request(f"the body is not valid JSON: {reason} (character {at})"))
         location = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
         message = validation_problems(error.errors())
         return error_response(request, bad_request(message or "invalid request", location))

@@ -56,6 +56,29 @@ def test_framework_errors_come_in_openai_shape(server):
     still_serving(server)
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 1, "temperature": NaN}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}'),
+        # Echoed back in the response: Python's parser took NaN here, and rendering failed (a 500).
+        ("/v1/responses", b'{"input": "x", "max_output_tokens": 1, "text": {"format": {"type": "text", "name": NaN}}}'),
+        ("/v1/messages", b'{"max_tokens": -Infinity, "messages": [{"role": "user", "content": "x"}]}'),
+    ],
+)
+def test_nan_and_infinity_are_not_json(server, path, body):
+    response = send(server, "POST", path, body)
+    assert response.status_code == 400, response.text
+    assert "not valid JSON" in response.text and ("NaN" in response.text or "Infinity" in response.text)
+    still_serving(server)
+
+
+def test_an_unreadable_body_says_where_it_stopped_being_json(server):
+    error = assert_error(send(server, "POST", "/v1/completions", b'{"prompt": "x",'), 400, None)
+    expected = "the body is not valid JSON: Expecting property name enclosed in double quotes (character 15)"
+    assert error["message"] == expected
+
+
 def test_a_request_that_could_never_be_admitted_is_a_400(server):
     error = assert_error(send(server, "POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 1, "n": 10000}'), 400)
     assert error["param"] == "n" and "at most" in error["message"]
