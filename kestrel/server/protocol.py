@@ -74,6 +74,22 @@ CHAT_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
 COMPLETION_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "add_special_tokens": lambda v: v is None or v is True,
 }
+# The other endpoint's fields, refused where they ask for something this endpoint would
+# ignore: `tools` sent to /v1/completions asks for tool calls it would never make.
+CHAT_ONLY_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "messages": lambda v: v is None,
+    "tools": _unset,
+    "functions": _unset,
+    "tool_choice": lambda v: v is None or v == "none",
+    "max_completion_tokens": lambda v: v is None,
+    "top_logprobs": lambda v: v is None or v == 0,
+    "reasoning_effort": lambda v: v is None,
+    "chat_template_kwargs": _unset,
+}
+COMPLETION_ONLY_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "prompt": lambda v: v is None,
+    "suffix": lambda v: v is None,
+}
 
 
 class StreamOptions(BaseModel):
@@ -85,6 +101,8 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     endpoint_not_yet_supported: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+    other_endpoint: ClassVar[str] = ""
+    other_endpoint_fields: ClassVar[dict[str, Callable[[Any], bool]]] = {}
     # Disaggregated serving (vLLM's field): what a prefill or decode instance does with this
     # request's state (server/disaggregation.py).
     kv_transfer_params: dict[str, Any] | None = None
@@ -130,6 +148,10 @@ class SamplingFields(BaseModel):
             for name, asks_nothing in (NOT_YET_SUPPORTED | cls.endpoint_not_yet_supported).items():
                 if name in data and not asks_nothing(data[name]):
                     raise bad_request(f"{name} is not supported by this server yet", name)
+            for name, asks_nothing in cls.other_endpoint_fields.items():
+                if name in data and not asks_nothing(data[name]):
+                    message = f"{name} is a field of {cls.other_endpoint}, which this endpoint does not take"
+                    raise bad_request(message, name)
         return data
 
     def _token_bias(self) -> dict[int, float] | None:
@@ -172,6 +194,8 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     endpoint_not_yet_supported: ClassVar[dict[str, Callable[[Any], bool]]] = COMPLETION_NOT_YET_SUPPORTED
+    other_endpoint: ClassVar[str] = "/v1/chat/completions"
+    other_endpoint_fields: ClassVar[dict[str, Callable[[Any], bool]]] = CHAT_ONLY_FIELDS
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -260,6 +284,8 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     endpoint_not_yet_supported: ClassVar[dict[str, Callable[[Any], bool]]] = CHAT_NOT_YET_SUPPORTED
+    other_endpoint: ClassVar[str] = "/v1/completions"
+    other_endpoint_fields: ClassVar[dict[str, Callable[[Any], bool]]] = COMPLETION_ONLY_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

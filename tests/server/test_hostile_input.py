@@ -141,6 +141,35 @@ def test_each_endpoint_refuses_what_it_does_not_implement(server, path, body, fi
     assert "not supported" in error["message"]
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("/v1/completions", "tools", [TOOL]),
+        ("/v1/completions", "tool_choice", "required"),
+        ("/v1/completions", "max_completion_tokens", 5),
+        ("/v1/completions", "top_logprobs", 3),
+        ("/v1/completions", "reasoning_effort", "low"),
+        ("/v1/completions", "chat_template_kwargs", {"enable_thinking": False}),
+        ("/v1/chat/completions", "prompt", "hello"),
+        ("/v1/chat/completions", "suffix", "!"),
+    ],
+)
+def test_the_other_endpoints_fields_are_refused_where_they_would_be_ignored(server, path, field, value):
+    import json
+
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    error = assert_error(send(server, "POST", path, json.dumps({**body, "max_tokens": 2, field: value}).encode()), 400)
+    assert error["param"] == field and "which this endpoint does not take" in error["message"]
+    # Their values that ask for nothing pass.
+    quiet = {"tools": [], "tool_choice": "none", "top_logprobs": 0}
+    if field in quiet:
+        response = send(server, "POST", path, json.dumps({**body, "max_tokens": 2, field: quiet[field]}).encode())
+        assert response.status_code == 200, response.text
+
+
 def test_fields_that_ask_for_nothing_are_accepted(server):
     import json
 
