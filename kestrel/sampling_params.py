@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,9 +124,17 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # Counts the sampler indexes with: a float one failed inside the engine's step.
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not all(isinstance(token, int) for token in (*self.stop_token_ids, *(self.allowed_token_ids or ()))):
+            raise ValueError("stop_token_ids and allowed_token_ids must be integer token ids")
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
+            # Infinite, every logit divides to 0 or NaN: masked tokens came back sampled.
+            (0 <= self.temperature < math.inf, f"temperature must be finite and non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),

@@ -6,6 +6,7 @@ body-size limit that answers before a body is read. Bodies are read as strict JS
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -44,12 +45,23 @@ class StrictJsonRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             text = (await self.body()).decode("utf-8", errors="replace")
-            self._json = json.loads(text, parse_constant=lambda constant: _not_json(constant, text))
+            self._json = json.loads(
+                text,
+                parse_constant=lambda constant: _not_json(constant, text),
+                parse_float=lambda number: _finite(number, text),
+            )
         return self._json
 
 
 def _not_json(constant: str, text: str) -> Any:
     raise json.JSONDecodeError(f"{constant} is not a JSON value (its numbers are finite)", text, text.find(constant))
+
+
+def _finite(number: str, text: str) -> float:
+    value = float(number)
+    if math.isinf(value):  # 1e400: valid JSON, but no float holds it
+        raise json.JSONDecodeError(f"{number} is beyond a double's range", text, text.find(number))
+    return value
 
 
 class StrictJsonRoute(APIRoute):

@@ -120,6 +120,12 @@ def test_greedy_and_logprobs_with_ranks():
         ("stop", [""], "stop strings"),
         ("stop", 5, "stop must be a string or a list of strings"),
         ("stop", ["ok", 7], "stop must be a string or a list of strings"),
+        ("temperature", float("inf"), "temperature must be finite"),
+        ("temperature", float("nan"), "temperature must be finite"),
+        ("top_k", 1.5, "top_k must be an integer"),
+        ("max_tokens", 8.0, "max_tokens must be an integer"),
+        ("seed", 0.5, "seed must be an integer"),
+        ("stop_token_ids", [2.5], "stop_token_ids and allowed_token_ids must be integer"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value, message):
