@@ -20,9 +20,12 @@ class AdmissionError(ValueError):
 def check_prompt_tokens(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
     if not token_ids:
         raise AdmissionError("the prompt is empty; it must contain at least one token", param)
-    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    what = "prompt token ids" if param == "prompt" else param
+    not_ints = [t for t in token_ids if not isinstance(t, int)]
+    if not_ints:
+        raise AdmissionError(f"{what} must be integers, got {not_ints[:5]}", param)
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        what = "prompt token ids" if param == "prompt" else param
         raise AdmissionError(f"{what} out of range [0, {vocab_size}): {bad[:5]}", param)
 
 

@@ -115,11 +115,16 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {sampling_params!r:.80}")
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} sampling params for {count} prompts")
         return list(sampling_params)
 
     def _resolve_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
+        if unknown:  # multi_modal_data, say: asked for, and would not be used
+            raise ValueError(f"prompt keys {unknown} are not supported: {PROMPT_FORMS}")
         if isinstance(prompt, str):
             return prompt, self._require_tokenizer().encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -190,6 +195,7 @@ class _TokenSpeed:
 
 
 PROMPT_FORMS = "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 
 
 def _check_conversation(conversation: Any) -> None:

@@ -97,7 +97,9 @@ def test_prompt_longer_than_max_model_len_is_refused_and_engine_keeps_serving(ch
         ({"prompt_token_ids": []}, "prompt is empty"),
         ("", "prompt is empty"),
         ({"prompt_token_ids": [1, 10**6]}, "out of range"),
-        ({"text": "hi"}, "a prompt is a string"),
+        ({"text": "hi"}, r"prompt keys \['text'\] are not supported"),
+        ({"prompt": "hi", "multi_modal_data": {"image": 0}}, r"prompt keys \['multi_modal_data'\] are not supported"),
+        ({"prompt_token_ids": [5.0, 6.0]}, r"prompt token ids must be integers, got \[5.0, 6.0\]"),
         ([[1, 2]], "got a prompt of type list"),
         (None, "prompts must be a prompt or a list of prompts, got NoneType"),
         (7, "got int"),
@@ -107,6 +109,11 @@ def test_bad_prompts_get_clear_errors(qwen3_llm, prompt, message):
     with pytest.raises((ValueError, TypeError), match=message):
         qwen3_llm.generate(prompt, GREEDY, use_tqdm=False)
     assert len(qwen3_llm.generate("still serving", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def test_sampling_params_of_another_type_are_named(qwen3_llm):
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them"):
+        qwen3_llm.generate("hi", {"max_tokens": 2}, use_tqdm=False)
 
 
 @pytest.mark.parametrize(
