@@ -17,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
 from kestrel.server.preparation import chat_prompt, collect_results, prepare_chat, translated_chat_request
-from kestrel.server.protocol import ChatCompletionRequest, ChatMessage, bad_request
+from kestrel.server.protocol import (
+    MESSAGES_NOT_YET_SUPPORTED,
+    ChatCompletionRequest,
+    ChatMessage,
+    bad_request,
+    refuse_what_asks,
+)
 from kestrel.server.state import ServerState
 from kestrel.server.tools import ChatDeltas
 
@@ -114,6 +120,7 @@ def _text(content: str | list[TextBlock] | None) -> str:
 
 
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+    refuse_what_asks(body.model_extra or {}, MESSAGES_NOT_YET_SUPPORTED)
     fields: dict[str, Any] = dict(
         model=body.model,
         messages=chat_messages(body.system, body.messages),

@@ -43,6 +43,15 @@ def validation_problems(errors: list[dict[str, Any]]) -> str:
     return "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors)
 
 
+def refuse_what_asks(
+    data: dict[str, Any], table: dict[str, Callable[[Any], bool]], why: str = "is not supported by this server yet"
+) -> None:
+    """A 400 naming the first field of `table` in `data` whose value asks for something."""
+    for name, asks_nothing in table.items():
+        if name in data and not asks_nothing(data[name]):
+            raise bad_request(f"{name} {why}", name)
+
+
 def _unset(value: Any) -> bool:
     return value is None or value is False or value == [] or value == {}
 
@@ -70,6 +79,23 @@ CHAT_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "continue_final_message": _unset,
     "echo": _unset,  # chat: the last message's content before the answer (vLLM's)
     "add_special_tokens": _unset,  # chat prompts take the template's special tokens alone
+    "modalities": lambda v: v is None or v == ["text"],  # audio output
+    "audio": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "functions": _unset,  # the legacy form of `tools`
+    "function_call": lambda v: v is None or v == "none",
+}
+# The Responses and Messages APIs' own fields that ask for what is not served (their other
+# fields are translated, or ride along into the chat request and are checked there).
+RESPONSES_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "prompt": lambda v: v is None,  # a stored prompt template
+    "conversation": lambda v: v is None,  # a stored conversation
+    "include": _unset,  # logprobs, encrypted reasoning, tool results
+    "top_logprobs": lambda v: v is None or v == 0,
+}
+MESSAGES_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "mcp_servers": _unset,
+    "container": lambda v: v is None,
 }
 COMPLETION_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "add_special_tokens": lambda v: v is None or v is True,
@@ -145,13 +171,9 @@ class SamplingFields(BaseModel):
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, asks_nothing in (NOT_YET_SUPPORTED | cls.endpoint_not_yet_supported).items():
-                if name in data and not asks_nothing(data[name]):
-                    raise bad_request(f"{name} is not supported by this server yet", name)
-            for name, asks_nothing in cls.other_endpoint_fields.items():
-                if name in data and not asks_nothing(data[name]):
-                    message = f"{name} is a field of {cls.other_endpoint}, which this endpoint does not take"
-                    raise bad_request(message, name)
+            refuse_what_asks(data, NOT_YET_SUPPORTED | cls.endpoint_not_yet_supported)
+            elsewhere = f"is a field of {cls.other_endpoint}, which this endpoint does not take"
+            refuse_what_asks(data, cls.other_endpoint_fields, elsewhere)
         return data
 
     def _token_bias(self) -> dict[int, float] | None:

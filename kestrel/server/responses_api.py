@@ -19,7 +19,13 @@ from pydantic import BaseModel, ConfigDict
 from kestrel.server.engine_client import EngineDeadError, RequestRejected
 from kestrel.server.formatting import usage
 from kestrel.server.preparation import collect_results, prepare_chat, translated_chat_request
-from kestrel.server.protocol import ApiError, ChatCompletionRequest, bad_request
+from kestrel.server.protocol import (
+    RESPONSES_NOT_YET_SUPPORTED,
+    ApiError,
+    ChatCompletionRequest,
+    bad_request,
+    refuse_what_asks,
+)
 from kestrel.server.state import ServerState
 from kestrel.server.tools import ChatDeltas
 
@@ -78,6 +84,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         raise bad_request("store is not supported: this server keeps no responses (send store: false)", "store")
     if body.previous_response_id is not None:
         raise bad_request("previous_response_id is not supported: send the whole input", "previous_response_id")
+    refuse_what_asks(body.model_extra or {}, RESPONSES_NOT_YET_SUPPORTED)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     messages += [{"role": "user", "content": body.input}] if isinstance(body.input, str) else _messages(body.input)
     fields: dict[str, Any] = dict(

@@ -117,6 +117,10 @@ def test_model_by_id_and_errors_name_their_field(server):
         ("continue_final_message", True),
         ("echo", True),
         ("add_special_tokens", True),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("web_search_options", {}),
+        ("functions", [{"name": "get_weather", "parameters": {"type": "object"}}]),
     ],
 )
 def test_fields_kestrel_does_not_implement_are_refused_by_name(server, field, value):
@@ -127,19 +131,32 @@ def test_fields_kestrel_does_not_implement_are_refused_by_name(server, field, va
     assert "not supported" in error["message"]
 
 
+HELLO = [{"role": "user", "content": "hi"}]
+
+
 @pytest.mark.parametrize(
     "path, body, field",
     [
         ("/v1/completions", {"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
         ("/v1/responses", {"input": "hi", "background": True}, "background"),
         ("/v1/responses", {"input": "hi", "truncation": "auto"}, "truncation"),
+        ("/v1/responses", {"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+        ("/v1/responses", {"input": "hi", "conversation": "conv_1"}, "conversation"),
+        ("/v1/responses", {"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+        ("/v1/messages", {"messages": HELLO, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+        ("/v1/messages", {"messages": HELLO, "container": "c_1"}, "container"),
     ],
 )
 def test_each_endpoint_refuses_what_it_does_not_implement(server, path, body, field):
     import json
 
-    error = assert_error(send(server, "POST", path, json.dumps({**body, "max_tokens": 2}).encode()), 400, field)
-    assert "not supported" in error["message"]
+    response = send(server, "POST", path, json.dumps({**body, "max_tokens": 2}).encode())
+    if path == "/v1/messages":  # Anthropic's error shape, which names no param
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+        error = response.json()["error"]
+    else:
+        error = assert_error(response, 400, field)
+    assert "not supported" in error["message"] and field in error["message"]
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
