@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import json
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,9 +128,10 @@ class SamplingParams:
         # Counts the sampler indexes with: a float one failed inside the engine's step.
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, int):
+            if value is not None and not isinstance(value, numbers.Integral):  # numpy's integers too
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-        if not all(isinstance(token, int) for token in (*self.stop_token_ids, *(self.allowed_token_ids or ()))):
+        token_ids = (*self.stop_token_ids, *(self.allowed_token_ids or ()))
+        if not all(isinstance(token, numbers.Integral) for token in token_ids):
             raise ValueError("stop_token_ids and allowed_token_ids must be integer token ids")
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),

@@ -38,9 +38,9 @@ class BodySizeLimit:
 
 
 class StrictJsonRequest(Request):
-    """A request whose JSON body may not hold NaN or Infinity. Python's parser takes them, JSON
-    does not: a request field echoed back (a Responses request's `text`) then could not be
-    rendered, a 500 after the work was done."""
+    """A request whose JSON body may not hold NaN, Infinity or a number beyond a double (read
+    as infinite). Python's parser takes them, JSON does not: a request field echoed back (a
+    Responses request's `text`) then could not be rendered, a 500 after the work was done."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):

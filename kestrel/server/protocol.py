@@ -99,13 +99,13 @@ MESSAGES_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 COMPLETION_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "add_special_tokens": lambda v: v is None or v is True,
+    "functions": _unset,  # tools of the legacy form, which chat does not take either
 }
 # The other endpoint's fields, refused where they ask for something this endpoint would
 # ignore: `tools` sent to /v1/completions asks for tool calls it would never make.
 CHAT_ONLY_FIELDS: dict[str, Callable[[Any], bool]] = {
     "messages": lambda v: v is None,
     "tools": _unset,
-    "functions": _unset,
     "tool_choice": lambda v: v is None or v == "none",
     "max_completion_tokens": lambda v: v is None,
     "top_logprobs": lambda v: v is None or v == 0,
