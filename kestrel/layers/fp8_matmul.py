@@ -101,8 +101,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        whole_row = triton.next_power_of_2(k) <= WHOLE_ROW_LIMIT
-        block_k = triton.next_power_of_2(k) if whole_row else 2048
+        row_block = triton.next_power_of_2(k)
+        whole_row = row_block <= WHOLE_ROW_LIMIT
+        block_k = row_block if whole_row else 2048
         _quantize_rows_kernel[(rows,)](
             x,
             values,
@@ -219,8 +220,9 @@ def few_rows_linear(
     launch = launch or FewRowsLaunch()
     column_blocks = triton.cdiv(n, launch.block_n)
     wanted = launch.splits or reduction_splits(column_blocks)
-    steps_per_split = triton.cdiv(triton.cdiv(k, launch.block_k), wanted)
-    splits = triton.cdiv(triton.cdiv(k, launch.block_k), steps_per_split)  # none left empty
+    steps = triton.cdiv(k, launch.block_k)
+    steps_per_split = triton.cdiv(steps, wanted)
+    splits = triton.cdiv(steps, steps_per_split)  # none left empty
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     partials = out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
     _few_rows_kernel[(column_blocks, splits)](

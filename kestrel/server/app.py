@@ -183,8 +183,6 @@ async def _completion_prompts(state: ServerState, prompt: Any) -> list[PreparedP
 
 async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
     state.check_model(body.model)
-    if body.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
     prompts = truncated_prompts(body, await _completion_prompts(state, body.prompt), state.max_model_len)
     prompt_logprobs = _prompt_logprobs_count(state, body)
     if body.max_tokens == 0 and not body.echo:

@@ -100,6 +100,7 @@ MESSAGES_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
 COMPLETION_NOT_YET_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "add_special_tokens": lambda v: v is None or v is True,
     "functions": _unset,  # tools of the legacy form, which chat does not take either
+    "suffix": lambda v: v is None,  # text after the completion (insertion)
 }
 # The other endpoint's fields, refused where they ask for something this endpoint would
 # ignore: `tools` sent to /v1/completions asks for tool calls it would never make.
@@ -222,7 +223,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the most likely
 
 

@@ -138,6 +138,7 @@ HELLO = [{"role": "user", "content": "hi"}]
     "path, body, field",
     [
         ("/v1/completions", {"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
         ("/v1/responses", {"input": "hi", "background": True}, "background"),
         ("/v1/responses", {"input": "hi", "truncation": "auto"}, "truncation"),
         ("/v1/responses", {"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
