@@ -66,6 +66,36 @@ def test_split_decode_matches_dense_attention(num_splits, window, chunk, whole_b
         torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits, with_sinks", [(5, False), (16, True)])
+def test_the_last_split_combines_as_the_combine_launch_does(num_splits, with_sinks):
+    """The split of each (sequence, kv head) that finishes last merges the partials in the
+    decode launch itself; the separate combine launch (COMBINE_IN_LAST off) gives the same."""
+    torch.manual_seed(0)
+    device = torch.device(DEVICES[0])
+    heads, kv_heads, dim, page_size = 8, 2, 64, 16
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, sinks=with_sinks)
+    sinks = (torch.randn(heads) * 3).to(device) if with_sinks else None
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
+    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
+    backend = TritonPagedBackend(device, page_size)
+    lengths = [300, 5, 129]  # the short one leaves most of its splits empty
+    chunks = []
+    for index, length in enumerate(lengths):
+        pages = tuple(kv.reserve(str(index), length))
+        slots = backend.bind(BatchLayout((SequenceChunk(length, 0, pages),), 0, page_size)).slot_mapping
+        backend.store(kv.layer(0), *(torch.randn(length, kv_heads, dim, device=device) for _ in range(2)), slots)
+        chunks.append(SequenceChunk(1, length - 1, pages))
+    decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
+    query = torch.randn(len(lengths), heads, dim, device=device)
+    outputs = {}
+    for in_last in (True, False):
+        outputs[in_last] = torch.full_like(query, float("nan"))
+        decode_attention(
+            query, kv.layer(0), decode, layer, outputs[in_last], num_splits, sinks=sinks, COMBINE_IN_LAST=in_last
+        )
+    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-6, rtol=1e-6)
+
+
 def test_small_batches_split_and_large_ones_do_not():
     cpu = torch.device("cpu")
     assert decode_splits(1, 1, cpu) > 1
@@ -149,6 +179,11 @@ def test_split_partials_come_from_the_workspace_the_backend_allocated():
     torch.testing.assert_close(through_workspace, allocated)
     partials = workspace.get("attention.decode.partial_lse", (1,), torch.float32)
     assert partials.abs().sum() > 0  # the split wrote its partials there
+    # Each launch leaves its arrival counters at zero, so the next one (a graph's replay) combines too.
+    assert not workspace.get("attention.decode.arrivals", (2,), torch.int32).any()
+    again = torch.full_like(query, float("nan"))
+    backend.decode(query, query, query, kv.layer(0), decode, layer, again)
+    torch.testing.assert_close(again, through_workspace)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])

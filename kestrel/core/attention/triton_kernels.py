@@ -6,7 +6,8 @@
   that KV head are the rows of one tile, so each KV page is read once per head group. Keys
   are taken BLOCK_N at a time, across several pages, so each step does a sizeable dot. When
   a batch has too few (sequence, kv head) pairs to fill the GPU, the keys are split across
-  programs (flash-decoding) and `combine_splits_kernel` merges their partial softmaxes.
+  programs (flash-decoding) and the split that finishes last merges their partial softmaxes
+  (or, in a launch of its own, `combine_splits_kernel`, which latent attention uses).
 - `prefill_kernel`: one program per (sequence, query head, block of query rows), the last
   blocks first; walks the sequence's pages (cached prefix and new tokens alike) with
   causal and window masks.
@@ -221,6 +222,7 @@ def decode_kernel(
     stride_page_table,
     partial_out_ptr,
     partial_lse_ptr,
+    arrivals_ptr,
     sinks_ptr,
     scale,
     window,
@@ -238,10 +240,15 @@ def decode_kernel(
     VALUES_BY_SLOT: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    COMBINE_IN_LAST: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """`sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
-    counted by the first split alone, so that combining the splits counts it once."""
+    counted by the first split alone, so that combining the splits counts it once.
+
+    COMBINE_IN_LAST (with SPLIT): the split of a (sequence, kv head) that finishes last
+    combines all of them into `out`, counting arrivals in `arrivals` [seq, kv_head] (zero
+    before the launch, zero again after it), which saves the combine's own launch."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -314,17 +321,59 @@ def decode_kernel(
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
     out = acc / seen[:, None]
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
-        partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        first_partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits
         empty = row_sum == 0.0
         lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))  # base 2
-        tl.store(partial_lse_ptr + partial, lse, mask=row_ok)
-        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
+        tl.store(partial_lse_ptr + first_partial + split, lse, mask=row_ok)
+        tl.store(partial_out_ptr + (first_partial + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
+        if COMBINE_IN_LAST:
+            # Every thread's stores, then one release: the split that arrives last acquires them all.
+            tl.debug_barrier()
+            arrival = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                out = _combined_splits(
+                    partial_out_ptr, partial_lse_ptr, first_partial, num_splits, dims, row_ok, io_mask, HEAD_DIM
+                )
+                tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+                tl.store(
+                    out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+                    out.to(out_ptr.dtype.element_ty),
+                    mask=io_mask,
+                )
     else:
         tl.store(
             out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=io_mask,
         )
+
+
+@triton.jit
+def _combined_splits(
+    partial_out_ptr, partial_lse_ptr, first_partial, num_splits, dims, row_ok, io_mask, HEAD_DIM: tl.constexpr
+):
+    """A head group's output from its splits' partials (written by other programs: read past
+    the L1 cache), weighted by their shares of the softmax mass, in one pass: the running
+    weights are rescaled whenever a later split's log-sum-exp is the larger."""
+    top = tl.full(first_partial.shape, float("-inf"), dtype=tl.float32)
+    total = tl.zeros(first_partial.shape, dtype=tl.float32)
+    acc = tl.zeros(io_mask.shape, dtype=tl.float32)
+    for split in range(num_splits):
+        lse = tl.load(partial_lse_ptr + first_partial + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(
+            partial_out_ptr + (first_partial + split)[:, None] * HEAD_DIM + dims[None, :],
+            mask=io_mask,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_top = tl.maximum(top, lse)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # all empty so far: weights 0
+        rescale = tl.exp2(top - shift)
+        weight = tl.exp2(lse - shift)
+        acc = acc * rescale[:, None] + part * weight[:, None]
+        total = total * rescale + weight
+        top = new_top
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.

@@ -153,8 +153,10 @@ def decode_attention(
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
+    arrivals = meta.seq_lens  # unused without splits
     if splits > 1:
         partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits)
+        arrivals = split_arrivals(workspace, query.device, meta.num_seqs, layer)
     constants = dict(
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
@@ -166,6 +168,7 @@ def decode_attention(
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
         VALUES_BY_SLOT=cache.values_by_slot,
         HAS_SINKS=sinks is not None,
+        COMBINE_IN_LAST=True,
         **dependent_launch_args(query.device),
     )
     constants.update(decode_launch(cache, layer.head_dim, splits))
@@ -187,24 +190,37 @@ def decode_attention(
         meta.page_table.stride(0),
         partial_out,
         partial_lse,
+        arrivals,
         query if sinks is None else sinks,  # any pointer where there are none
         layer.scale,
         *_masks(layer),
         splits,
         **constants,
     )
-    if splits > 1:
+    if splits > 1 and not constants["COMBINE_IN_LAST"]:
         combine_splits(partial_out, partial_lse, output, meta.num_seqs, layer.head_dim)
 
 
 _PARTIAL_OUT, _PARTIAL_LSE = "attention.decode.partial_out", "attention.decode.partial_lse"
+_ARRIVALS = "attention.decode.arrivals"
 
 
 def reserve_split_partials(workspace: Workspace, max_rows: int, layer: AttentionLayerSpec) -> None:
-    """Room for the split partials of any decode batch of up to `max_rows` sequences."""
+    """Room for the split partials of any decode batch of up to `max_rows` sequences, and
+    the counters of their splits' arrivals (zeroed once here; each launch leaves them zero)."""
     rows = max(n * decode_splits(n, layer.num_kv_heads, workspace.device) for n in range(1, max_rows + 1))
     workspace.reserve(_PARTIAL_OUT, rows * layer.num_heads * layer.head_dim, torch.float32)
     workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
+    workspace.reserve(_ARRIVALS, max_rows * layer.num_kv_heads, torch.int32)
+
+
+def split_arrivals(
+    workspace: Workspace | None, device: torch.device, num_seqs: int, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """A zeroed counter per (sequence, kv head): how many of its splits have finished."""
+    if workspace is None:
+        return torch.zeros((num_seqs, layer.num_kv_heads), dtype=torch.int32, device=device)
+    return workspace.get(_ARRIVALS, (num_seqs, layer.num_kv_heads), torch.int32)
 
 
 def combine_splits(
