@@ -331,7 +331,7 @@ def decode_kernel(
             tl.debug_barrier()
             arrival = arrivals_ptr + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                out = _combined_splits(
+                out = combined_splits(
                     partial_out_ptr, partial_lse_ptr, first_partial, num_splits, dims, row_ok, io_mask, HEAD_DIM
                 )
                 tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")  # zero for the next launch
@@ -349,7 +349,7 @@ def decode_kernel(
 
 
 @triton.jit
-def _combined_splits(
+def combined_splits(
     partial_out_ptr, partial_lse_ptr, first_partial, num_splits, dims, row_ok, io_mask, HEAD_DIM: tl.constexpr
 ):
     """A head group's output from its splits' partials (written by other programs: read past

@@ -4,8 +4,8 @@ A latent pool holds one row per token and layer: the latent (`latent_dim` dims) 
 the rotary key dims, shared by every query head; the values are the latents themselves
 (`KVLayerCache.values_in_keys`). Decode (`mla_decode_kernel`): one program per (sequence,
 block of query heads, split); each key block is read once for the block's heads, the scores
-are latent and rotary dots summed, the weights multiply the same latent tile. Splits are
-merged by the paged backend's `combine_splits`. Prefill runs the torch reference
+are latent and rotary dots summed, the weights multiply the same latent tile. The split
+that finishes last merges them, as in the paged backend's decode. Prefill runs the torch reference
 (one attention per sequence over its gathered pages): correct, and outside the decode graphs.
 """
 
@@ -18,12 +18,12 @@ import triton.language as tl
 from kestrel.core.attention.base import LATENT_KV, AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.torch_ref import prefill_attention as torch_prefill_attention
 from kestrel.core.attention.torch_ref import raw_bytes
-from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step
+from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step, combined_splits
 from kestrel.core.attention.triton_paged import (
     TritonPagedBackend,
-    combine_splits,
     decode_splits,
     page_size_of,
+    split_arrivals,
     split_partials,
 )
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
@@ -100,10 +100,13 @@ def mla_decode_attention(
     heads = layer.num_heads
     splits = num_splits or decode_splits(meta.num_seqs, triton.cdiv(heads, HEAD_BLOCK), query.device)
     partial_out = partial_lse = output  # unused without splits
+    arrivals = meta.seq_lens  # unused without splits
+    head_blocks = triton.cdiv(heads, HEAD_BLOCK)
     if splits > 1:
         partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits, latent)
+        arrivals = split_arrivals(workspace, query.device, meta.num_seqs, head_blocks)
     keys = cache.key
-    mla_decode_kernel[(meta.num_seqs, triton.cdiv(heads, HEAD_BLOCK), splits)](
+    mla_decode_kernel[(meta.num_seqs, head_blocks, splits)](
         query,
         keys,
         output,
@@ -118,6 +121,7 @@ def mla_decode_attention(
         meta.page_table.stride(0),
         partial_out,
         partial_lse,
+        arrivals,
         layer.scale,
         splits,
         heads,
@@ -134,8 +138,6 @@ def mla_decode_attention(
         num_stages=2,
         **dependent_launch_args(query.device),
     )
-    if splits > 1:
-        combine_splits(partial_out, partial_lse, output, meta.num_seqs, latent)
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.
@@ -158,6 +160,7 @@ def mla_decode_kernel(
     stride_page_table,
     partial_out_ptr,
     partial_lse_ptr,
+    arrivals_ptr,
     scale,
     num_splits,
     num_heads,
@@ -174,7 +177,8 @@ def mla_decode_kernel(
 ):
     """One program per (sequence, block of BLOCK_H query heads, split): the heads' scores
     against each key block are latent . latent + rope . rope, and their weights multiply the
-    latent tile already loaded for the scores."""
+    latent tile already loaded for the scores. SPLIT: the split of a (sequence, head block)
+    that finishes last combines the partials, as the paged decode kernel's do."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     split = tl.program_id(2)
@@ -213,12 +217,20 @@ def mla_decode_kernel(
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # an empty split saw nothing
     out = acc / seen[:, None]
     io_mask = head_ok[:, None] & latent_ok
-    if SPLIT:  # partials [seq, head, split, latent] and [seq, head, split], as combine_splits_kernel reads
-        partial = (seq * num_heads + heads) * num_splits + split
+    out_rows = out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head
+    if SPLIT:  # partials [seq, head, split, latent] and [seq, head, split]
+        first_partial = (seq * num_heads + heads) * num_splits
         empty = row_sum == 0.0
         lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
-        tl.store(partial_lse_ptr + partial, lse, mask=head_ok)
-        tl.store(partial_out_ptr + partial[:, None] * LATENT + latent_dims[None, :], out, mask=io_mask)
+        tl.store(partial_lse_ptr + first_partial + split, lse, mask=head_ok)
+        tl.store(partial_out_ptr + (first_partial + split)[:, None] * LATENT + latent_dims[None, :], out, mask=io_mask)
+        tl.debug_barrier()  # every thread's stores, then one release
+        arrival = arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            out = combined_splits(
+                partial_out_ptr, partial_lse_ptr, first_partial, num_splits, latent_dims, head_ok, io_mask, LATENT
+            )
+            tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            tl.store(out_rows + latent_dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        out_rows = out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head
         tl.store(out_rows + latent_dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -156,7 +156,7 @@ def decode_attention(
     arrivals = meta.seq_lens  # unused without splits
     if splits > 1:
         partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits)
-        arrivals = split_arrivals(workspace, query.device, meta.num_seqs, layer)
+        arrivals = split_arrivals(workspace, query.device, meta.num_seqs, layer.num_kv_heads)
     constants = dict(
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
@@ -211,16 +211,15 @@ def reserve_split_partials(workspace: Workspace, max_rows: int, layer: Attention
     rows = max(n * decode_splits(n, layer.num_kv_heads, workspace.device) for n in range(1, max_rows + 1))
     workspace.reserve(_PARTIAL_OUT, rows * layer.num_heads * layer.head_dim, torch.float32)
     workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
-    workspace.reserve(_ARRIVALS, max_rows * layer.num_kv_heads, torch.int32)
+    # A counter per (sequence, head group): KV heads here, blocks of query heads in latent attention.
+    workspace.reserve(_ARRIVALS, max_rows * layer.num_heads, torch.int32)
 
 
-def split_arrivals(
-    workspace: Workspace | None, device: torch.device, num_seqs: int, layer: AttentionLayerSpec
-) -> torch.Tensor:
-    """A zeroed counter per (sequence, kv head): how many of its splits have finished."""
+def split_arrivals(workspace: Workspace | None, device: torch.device, num_seqs: int, groups: int) -> torch.Tensor:
+    """A zeroed counter per (sequence, head group): how many of its splits have finished."""
     if workspace is None:
-        return torch.zeros((num_seqs, layer.num_kv_heads), dtype=torch.int32, device=device)
-    return workspace.get(_ARRIVALS, (num_seqs, layer.num_kv_heads), torch.int32)
+        return torch.zeros((num_seqs, groups), dtype=torch.int32, device=device)
+    return workspace.get(_ARRIVALS, (num_seqs, groups), torch.int32)
 
 
 def combine_splits(
