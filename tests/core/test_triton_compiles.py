@@ -110,6 +110,14 @@ CASES = {
         BF16_ROW | FOLDED_NORM | {"cos_ptr": "*bf16", "sin_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
         dict(HALF=64, HAS_BIAS=False, HAS_SCALE=True, NORMED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
+    "gemv_qk_norm_rotary": (  # Qwen3's qkv at one row, its q/k norms and rotary inside
+        gemv._gemv_qk_norm_rotary_kernel,
+        BF16_ROW
+        | FOLDED_NORM
+        | {"q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "cos_ptr": "*bf16"}
+        | {"sin_ptr": "*bf16", "arrivals_ptr": "*i32", "head_eps": "fp32"},
+        dict(HALF=64, HAS_SCALE=False, NORMED=True, DEPENDENT=True, BLOCK_N=4, BLOCK_K=1024),
+    ),
     "rms_norm": (
         fused._rms_norm_kernel,
         BF16_ROW | {"residual_ptr": "*bf16", "weight_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"},
