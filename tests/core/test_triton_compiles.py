@@ -32,6 +32,7 @@ FOLDED_NORM = {"norm_ptr": "*bf16", "residual_ptr": "*bf16"}  # a layer's RMS no
 ATTENTION = {"query_ptr": "*bf16", "out_ptr": "*bf16", "seq_lens_ptr": "*i32", "page_table_ptr": "*i32"}
 ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "fp32"}
 ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32", "arrivals_ptr": "*i32"}
+ATTENTION |= {"new_key_ptr": "*bf16", "new_value_ptr": "*bf16"}
 FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
 BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
 MOE_MATMUL = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*bf16"}
@@ -143,14 +144,35 @@ CASES = {
         attention.decode_kernel,
         ATTENTION | FLOAT8_POOL,
         DECODE
-        | dict(SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, WHOLE_BLOCKS=False, COMBINE_IN_LAST=True)
+        | dict(
+            SPLIT=False,
+            DOTS_IN_FP16=True,
+            VALUES_BY_SLOT=True,
+            WHOLE_BLOCKS=False,
+            COMBINE_IN_LAST=True,
+            STORE_NEW=False,
+        )
         | dict(DEPENDENT=True),
+    ),
+    "decode_storing_its_row_float8": (  # one sequence alone: its new row stored by the decode
+        attention.decode_kernel,
+        ATTENTION | FLOAT8_POOL | {"page_table_ptr": "*i64"},
+        DECODE
+        | dict(SPLIT=True, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, WHOLE_BLOCKS=False, COMBINE_IN_LAST=True)
+        | dict(STORE_NEW=True, DEPENDENT=True),
     ),
     "decode_split_bf16": (
         attention.decode_kernel,
         ATTENTION | BF16_POOL,
         DECODE
-        | dict(SPLIT=True, DOTS_IN_FP16=False, VALUES_BY_SLOT=False, WHOLE_BLOCKS=True, COMBINE_IN_LAST=True)
+        | dict(
+            SPLIT=True,
+            DOTS_IN_FP16=False,
+            VALUES_BY_SLOT=False,
+            WHOLE_BLOCKS=True,
+            COMBINE_IN_LAST=True,
+            STORE_NEW=False,
+        )
         | dict(DEPENDENT=True),
     ),
     # decode_launch's large-batch setting, with the widest pool it may read (float32).
@@ -159,7 +181,7 @@ CASES = {
         ATTENTION | {"query_ptr": "*fp32", "key_cache_ptr": "*fp32", "value_cache_ptr": "*fp32"},
         DECODE
         | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, VALUES_BY_SLOT=False)
-        | dict(WHOLE_BLOCKS=False, COMBINE_IN_LAST=True, DEPENDENT=True),
+        | dict(WHOLE_BLOCKS=False, COMBINE_IN_LAST=True, STORE_NEW=False, DEPENDENT=True),
     ),
     "mla_decode_split_bf16": (  # DeepSeek's 512-dim latent and 64 rotary dims
         triton_mla.mla_decode_kernel,
@@ -172,7 +194,7 @@ CASES = {
         ATTENTION | BF16_POOL | {"sinks_ptr": "*bf16"},
         DECODE
         | dict(GROUP=8, HEAD_DIM=64, BLOCK_D=64, HAS_SINKS=True, SPLIT=True, DOTS_IN_FP16=False)
-        | dict(VALUES_BY_SLOT=False, WHOLE_BLOCKS=False, COMBINE_IN_LAST=True, DEPENDENT=True),
+        | dict(VALUES_BY_SLOT=False, WHOLE_BLOCKS=False, COMBINE_IN_LAST=True, STORE_NEW=False, DEPENDENT=True),
     ),
     "mla_decode_float8": (  # a float8 latent pool, widened to bf16 as it is read
         triton_mla.mla_decode_kernel,

@@ -96,6 +96,43 @@ def test_the_last_split_combines_as_the_combine_launch_does(num_splits, with_sin
     torch.testing.assert_close(outputs[True], outputs[False], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("length", [1, 37, 300])
+def test_a_lone_decode_row_is_stored_by_the_decode_launch(pool_dtype, length):
+    """One sequence decoding alone: the backend's forward leaves its new key and value to the
+    decode launch (no store launch), which writes them into their slot (whatever stale bytes
+    were there), then attends over them with the rest; for any split of the keys."""
+    torch.manual_seed(length)
+    device = torch.device(DEVICES[0])
+    heads, kv_heads, dim, page_size = 8, 2, 64, 16
+    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=pool_dtype, page_size=page_size)
+    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
+    for pages in (kv.layer(0).key, kv.layer(0).value):
+        pages.view(torch.uint8).fill_(0x7E)  # stale slots
+    backend = TritonPagedBackend(device, page_size)
+    query_dtype = torch.float16 if pool_dtype != torch.float32 else torch.float32
+    keys, values = ((torch.randn(length, kv_heads, dim) * 2).to(pool_dtype).float() for _ in range(2))
+    pages = tuple(kv.reserve("a", length))
+    if length > 1:
+        metadata = backend.bind(BatchLayout((SequenceChunk(length - 1, 0, pages),), 0, page_size))
+        backend.store(
+            kv.layer(0), keys[:-1].to(device, query_dtype), values[:-1].to(device, query_dtype), metadata.slot_mapping
+        )
+    step = backend.bind(BatchLayout((SequenceChunk(1, length - 1, pages),), num_decodes=1, page_size=page_size))
+    query = torch.randn(1, heads, dim, dtype=query_dtype)
+    new_key, new_value = keys[-1:].to(device, query_dtype), values[-1:].to(device, query_dtype)
+    backend.store = lambda *args: pytest.fail("a lone decode row took the store launch")
+    output = backend.forward(query.to(device), new_key, new_value, kv.layer(0), step, layer)
+    expected = dense_reference(query.float(), keys, values, length - 1, layer.scale, None)
+    tolerance = 1e-5 if pool_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.float().cpu(), expected, atol=tolerance, rtol=tolerance)
+    slot = int(step.slot_mapping[0])
+    stored_key = kv.layer(0).key[:, slot // page_size, slot % page_size].float().cpu()
+    stored_value = kv.layer(0).value[:, slot // page_size, slot % page_size].float().cpu()
+    assert torch.equal(stored_key, keys[-1]) and torch.equal(stored_value, values[-1])
+
+
 def test_small_batches_split_and_large_ones_do_not():
     cpu = torch.device("cpu")
     assert decode_splits(1, 1, cpu) > 1

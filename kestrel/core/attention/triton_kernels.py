@@ -224,6 +224,14 @@ def decode_kernel(
     partial_lse_ptr,
     arrivals_ptr,
     sinks_ptr,
+    new_key_ptr,
+    new_value_ptr,
+    stride_new_key_token,
+    stride_new_key_head,
+    stride_new_value_token,
+    stride_new_value_head,
+    stride_value_cache_slot,
+    stride_value_cache_dim,
     scale,
     window,
     chunk,
@@ -241,6 +249,7 @@ def decode_kernel(
     WHOLE_BLOCKS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     COMBINE_IN_LAST: tl.constexpr,
+    STORE_NEW: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """`sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
@@ -248,7 +257,12 @@ def decode_kernel(
 
     COMBINE_IN_LAST (with SPLIT): the split of a (sequence, kv head) that finishes last
     combines all of them into `out`, counting arrivals in `arrivals` [seq, kv_head] (zero
-    before the launch, zero again after it), which saves the combine's own launch."""
+    before the launch, zero again after it), which saves the combine's own launch.
+
+    STORE_NEW: each sequence's new key and value rows (`new_key`, `new_value` [rows, kv
+    heads, dim]) are not yet in the pool; the program whose keys include the newest position
+    stores them there first, which saves the store's own launch. Only where no other row of
+    the launch reads them: one sequence alone (`PagedAttentionBackend.forward`)."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -289,6 +303,23 @@ def decode_kernel(
     if WHOLE_BLOCKS:
         whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N  # an empty split: none
         whole_end = tl.where((window == 0) & (chunk == 0), begin + whole_blocks * BLOCK_N, begin)
+    if STORE_NEW:
+        newest = seq_len - 1
+        if (begin <= newest) & (newest < end):  # the one program whose keys include it
+            _store_newest(
+                new_key_ptr + seq * stride_new_key_token + kv_head * stride_new_key_head,
+                new_value_ptr + seq * stride_new_value_token + kv_head * stride_new_value_head,
+                key_cache_ptr,
+                value_cache_ptr,
+                kv_head * stride_cache_head + tl.load(table_row + newest // PAGE) * stride_cache_page,
+                newest % PAGE,
+                stride_cache_slot,
+                stride_value_cache_slot,
+                stride_value_cache_dim,
+                HEAD_DIM,
+                BLOCK_D,
+            )
+        tl.debug_barrier()  # its threads' stores, before any of them reads the row back
     query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
     for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
         acc, row_max, row_sum = _attend_range(
@@ -346,6 +377,31 @@ def decode_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=io_mask,
         )
+
+
+@triton.jit
+def _store_newest(
+    key_row_ptr,
+    value_row_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    page_start,
+    in_page,
+    stride_key_cache_slot,
+    stride_value_cache_slot,
+    stride_value_cache_dim,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One head's new key and value rows into their slot, as `store_kv_kernel` writes them."""
+    dims = tl.arange(0, BLOCK_D)
+    inside = dims < HEAD_DIM
+    key = tl.load(key_row_ptr + dims, mask=inside)
+    value = tl.load(value_row_ptr + dims, mask=inside)
+    key_target = key_cache_ptr + page_start + in_page * stride_key_cache_slot + dims
+    value_target = value_cache_ptr + page_start + in_page * stride_value_cache_slot + dims * stride_value_cache_dim
+    tl.store(key_target, key.to(tl.float32).to(key_cache_ptr.dtype.element_ty), mask=inside)
+    tl.store(value_target, value.to(tl.float32).to(value_cache_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -49,6 +49,8 @@ class TritonMlaBackend(TritonPagedBackend):
         kv_forms=frozenset({LATENT_KV}),
     )
 
+    decode_stores_lone_row = False  # the latent decode reads its rows from the pool alone
+
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """The new latent rows [tokens, 1, dim] into their slots (the values are in them)."""
         rows = cache.key.view(-1, cache.key.shape[-1])

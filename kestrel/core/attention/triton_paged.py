@@ -59,6 +59,8 @@ class TritonPagedBackend(PagedAttentionBackend):
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         store_kv(cache, key, value, slots)
 
+    decode_stores_lone_row = True
+
     def decode(
         self,
         query: torch.Tensor,
@@ -69,8 +71,10 @@ class TritonPagedBackend(PagedAttentionBackend):
         layer: AttentionLayerSpec,
         output: torch.Tensor,
         sinks: torch.Tensor | None = None,
+        store_new_rows: bool = False,
     ) -> None:
-        decode_attention(query, cache, meta, layer, output, workspace=self._workspace, sinks=sinks)
+        new_rows = (key, value) if store_new_rows else None
+        decode_attention(query, cache, meta, layer, output, workspace=self._workspace, sinks=sinks, new_rows=new_rows)
 
     def prefill(
         self,
@@ -143,13 +147,15 @@ def decode_attention(
     num_splits: int | None = None,
     workspace: Workspace | None = None,
     sinks: torch.Tensor | None = None,
+    new_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     **launch: int,
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
     its lengths, so a captured graph stays valid for every step of its bucket. The split
     partials come from `workspace` (reserved by `TritonPagedBackend.allocate`), else are
-    allocated for this call. `launch` (num_warps, num_stages, BLOCK_N) overrides the
-    defaults, for sweeps."""
+    allocated for this call. `new_rows` (key, value [rows, kv heads, dim]): the sequences'
+    newest rows, not yet in the pool, which the launch stores first (`decode_kernel`'s
+    STORE_NEW). `launch` (num_warps, num_stages, BLOCK_N) overrides the defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
@@ -169,8 +175,10 @@ def decode_attention(
         VALUES_BY_SLOT=cache.values_by_slot,
         HAS_SINKS=sinks is not None,
         COMBINE_IN_LAST=True,
+        STORE_NEW=new_rows is not None,
         **dependent_launch_args(query.device),
     )
+    new_key, new_value = new_rows or (query, query)  # any tensors where there are none
     constants.update(decode_launch(cache, layer.head_dim, splits))
     constants.update(launch)
     decode_kernel[(meta.num_seqs, layer.num_kv_heads, splits)](
@@ -192,6 +200,14 @@ def decode_attention(
         partial_lse,
         arrivals,
         query if sinks is None else sinks,  # any pointer where there are none
+        new_key,
+        new_value,
+        new_key.stride(0),
+        new_key.stride(1),
+        new_value.stride(0),
+        new_value.stride(1),
+        cache.value.stride(2),
+        cache.value.stride(3),
         layer.scale,
         *_masks(layer),
         splits,
