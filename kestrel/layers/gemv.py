@@ -118,6 +118,32 @@ def row_dots(
 
 
 @triton.jit
+def _scaled_row_dots(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    rows,
+    in_rows,
+    K,
+    stride_w,
+    norm_ptr,
+    eps,
+    HAS_SCALE: tl.constexpr,
+    NORMED: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`row_dots` of single rows, each times its scale where the weight is float8 (HAS_SCALE)."""
+    acc, _ = row_dots(
+        x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, norm_ptr, eps, False, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
+    )
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
+    return acc
+
+
+@triton.jit
 def add_residual(values, residual_ptr, rows, in_rows, dtype: tl.constexpr):
     """values rounded to `dtype`, plus the residual rows, rounded again: the residual add
     as fused.rms_norm does it, so a matvec that adds it gives the bits the norm would."""
@@ -153,11 +179,22 @@ def _gemv_kernel(
     ranks' rounded sum; otherwise before, as cuBLAS adds it."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    acc, _ = row_dots(
-        x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, norm_ptr, eps, False, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
+    acc = _scaled_row_dots(
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        rows,
+        in_rows,
+        K,
+        stride_w,
+        norm_ptr,
+        eps,
+        HAS_SCALE,
+        NORMED,
+        DEPENDENT,
+        BLOCK_N,
+        BLOCK_K,
     )
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
@@ -285,11 +322,22 @@ def _gemv_qk_norm_rotary_kernel(
     the launch), as `fused.qk_norm_rotary_` does it after the matvec, to the bit."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    acc, _ = row_dots(
-        x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, norm_ptr, eps, False, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
+    acc = _scaled_row_dots(
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        rows,
+        in_rows,
+        K,
+        stride_w,
+        norm_ptr,
+        eps,
+        HAS_SCALE,
+        NORMED,
+        DEPENDENT,
+        BLOCK_N,
+        BLOCK_K,
     )
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
     head = tl.program_id(0) * BLOCK_N // (2 * HALF)
     if head < normed_heads:
