@@ -491,21 +491,22 @@ def folds_head_norms(rows: int, head_dim: int) -> bool:
 
 
 # Arrival counters, zero between launches (each launch's last program of a group resets its
-# own), one set per device and use. Launches on one device run one after another in stream
-# order, which all of Kestrel's forward passes do.
-_arrival_counters: dict[tuple[torch.device, str], torch.Tensor] = {}
+# own), by device, use and count. Launches on one device run one after another in stream
+# order, which all of Kestrel's forward passes do. None is ever replaced: a captured graph
+# keeps the address it was captured with.
+_arrival_counters: dict[tuple[torch.device, str, int], torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device, use: str, count: int) -> torch.Tensor:
     """`count` zeroed int32 counters for the kernels of `use` on `device`, made on first need,
     which must come before any graph capture (a warm-up forward)."""
-    counters = _arrival_counters.get((device, use))
-    if counters is None or counters.numel() < count:
+    counters = _arrival_counters.get((device, use, count))
+    if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Made inside a capture, its zeroing would run at replay only, not before.
             raise RuntimeError(f"{use}'s first call must come before graph capture (a warm-up forward)")
-        counters = _arrival_counters[(device, use)] = torch.zeros(count, dtype=torch.int32, device=device)
-    return counters[:count]
+        counters = _arrival_counters[(device, use, count)] = torch.zeros(count, dtype=torch.int32, device=device)
+    return counters
 
 
 def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
