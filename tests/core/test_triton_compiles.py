@@ -32,7 +32,7 @@ FOLDED_NORM = {"norm_ptr": "*bf16", "residual_ptr": "*bf16"}  # a layer's RMS no
 ATTENTION = {"query_ptr": "*bf16", "out_ptr": "*bf16", "seq_lens_ptr": "*i32", "page_table_ptr": "*i32"}
 ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "fp32"}
 ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32", "arrivals_ptr": "*i32"}
-ATTENTION |= {"new_key_ptr": "*bf16", "new_value_ptr": "*bf16"}
+ATTENTION |= {"new_key_ptr": "*bf16", "new_value_ptr": "*bf16", "new_ptr": "*bf16"}
 FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
 BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
 MOE_MATMUL = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*bf16"}
@@ -187,7 +187,7 @@ CASES = {
         triton_mla.mla_decode_kernel,
         ATTENTION | {"cache_ptr": "*bf16"},
         dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
-        | dict(SPLIT=True, DEPENDENT=True),
+        | dict(SPLIT=True, STORE_NEW=True, DEPENDENT=True),
     ),
     "decode_split_sinks_bf16": (
         attention.decode_kernel,
@@ -200,7 +200,7 @@ CASES = {
         triton_mla.mla_decode_kernel,
         ATTENTION | {"cache_ptr": "*fp8e4nv"},
         dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
-        | dict(SPLIT=False, DEPENDENT=True),
+        | dict(SPLIT=False, STORE_NEW=False, DEPENDENT=True),
     ),
     "combine_splits": (
         attention.combine_splits_kernel,

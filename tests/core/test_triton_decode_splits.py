@@ -251,3 +251,34 @@ def test_latent_decode_matches_dense_attention_for_any_split(num_splits, dims):
     for row, (length, keys) in enumerate(zip(lengths, contexts)):
         expected = dense_reference(query[row : row + 1], keys, keys[..., :latent], length - 1, layer.scale, None)
         torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 47, 130])
+def test_a_lone_latent_row_is_stored_by_the_decode_launch(length):
+    """Latent attention, one sequence decoding alone: every head block's programs over the
+    newest position store its latent row (the same bytes) before reading it; no store launch."""
+    from kestrel.core.attention.triton_mla import TritonMlaBackend
+
+    torch.manual_seed(length)
+    device = torch.device(DEVICES[0])
+    latent, rope, heads, page_size = 32, 16, 18, 16  # two blocks of query heads
+    dim = latent + rope
+    layer = AttentionLayerSpec(heads, 1, dim, 0.1, latent_dim=latent)
+    spec = KVCacheSpec(1, 1, dim, torch.float32, page_size, latent_dim=latent)
+    kv = PagedKVProvider(spec, 32 * spec.bytes_per_page(), device)
+    kv.layer(0).key.fill_(1e4)  # stale slots
+    backend = TritonMlaBackend(device, page_size)
+    keys = torch.randn(length, 1, dim)
+    pages = tuple(kv.reserve("a", length))
+    if length > 1:
+        metadata = backend.bind(BatchLayout((SequenceChunk(length - 1, 0, pages),), 0, page_size))
+        backend.store(kv.layer(0), keys[:-1].to(device), keys[:-1, :, :latent].to(device), metadata.slot_mapping)
+    step = backend.bind(BatchLayout((SequenceChunk(1, length - 1, pages),), num_decodes=1, page_size=page_size))
+    backend.store = lambda *args: pytest.fail("a lone decode row took the store launch")
+    query = torch.randn(1, heads, dim)
+    new_row = keys[-1:].to(device)
+    output = backend.forward(query.to(device), new_row, new_row[..., :latent], kv.layer(0), step, layer)
+    expected = dense_reference(query, keys, keys[..., :latent], length - 1, layer.scale, None)
+    torch.testing.assert_close(output.cpu(), expected, atol=1e-5, rtol=1e-5)
+    slot = int(step.slot_mapping[0])
+    assert torch.equal(kv.layer(0).key[0, slot // page_size, slot % page_size].cpu(), keys[-1, 0])

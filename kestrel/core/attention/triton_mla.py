@@ -49,8 +49,6 @@ class TritonMlaBackend(TritonPagedBackend):
         kv_forms=frozenset({LATENT_KV}),
     )
 
-    decode_stores_lone_row = False  # the latent decode reads its rows from the pool alone
-
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """The new latent rows [tokens, 1, dim] into their slots (the values are in them)."""
         rows = cache.key.view(-1, cache.key.shape[-1])
@@ -67,8 +65,10 @@ class TritonMlaBackend(TritonPagedBackend):
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
+        store_new_rows: bool = False,
     ) -> None:
-        mla_decode_attention(query, cache, meta, layer, output, workspace=self._workspace)
+        new_rows = key if store_new_rows else None
+        mla_decode_attention(query, cache, meta, layer, output, workspace=self._workspace, new_rows=new_rows)
 
     def prefill(
         self,
@@ -95,9 +95,12 @@ def mla_decode_attention(
     output: torch.Tensor,
     num_splits: int | None = None,
     workspace: Workspace | None = None,
+    new_rows: torch.Tensor | None = None,
 ) -> None:
     """query [rows, heads, latent + rope] over the latent pool; output [rows, heads, latent].
-    Splits as the paged backend's decode: by the batch's shape alone (graph-safe)."""
+    Splits as the paged backend's decode: by the batch's shape alone (graph-safe).
+    `new_rows` [rows, 1, latent + rope]: the sequences' newest rows, not yet in the pool,
+    which the launch stores first."""
     latent, rope = layer.latent_dim, layer.head_dim - layer.latent_dim
     heads = layer.num_heads
     splits = num_splits or decode_splits(meta.num_seqs, triton.cdiv(heads, HEAD_BLOCK), query.device)
@@ -124,6 +127,8 @@ def mla_decode_attention(
         partial_out,
         partial_lse,
         arrivals,
+        query if new_rows is None else new_rows,  # any tensor where there are none
+        0 if new_rows is None else new_rows.stride(0),
         layer.scale,
         splits,
         heads,
@@ -136,6 +141,7 @@ def mla_decode_attention(
         BLOCK_N=KEY_BLOCK,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SPLIT=splits > 1,
+        STORE_NEW=new_rows is not None,
         num_warps=4,
         num_stages=2,
         **dependent_launch_args(query.device),
@@ -163,6 +169,8 @@ def mla_decode_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     arrivals_ptr,
+    new_ptr,
+    stride_new_token,
     scale,
     num_splits,
     num_heads,
@@ -175,12 +183,15 @@ def mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
+    STORE_NEW: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """One program per (sequence, block of BLOCK_H query heads, split): the heads' scores
     against each key block are latent . latent + rope . rope, and their weights multiply the
     latent tile already loaded for the scores. SPLIT: the split of a (sequence, head block)
-    that finishes last combines the partials, as the paged decode kernel's do."""
+    that finishes last combines the partials, as the paged decode kernel's do. STORE_NEW:
+    each sequence's new row (`new` [rows, 1, latent + rope]) is not yet in the pool, and the
+    programs whose keys include it store it first, as the paged decode kernel does."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     split = tl.program_id(2)
@@ -202,6 +213,18 @@ def mla_decode_kernel(
     begin = split * blocks_per_split * BLOCK_N
     end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
     table_row = page_table_ptr + seq * stride_page_table
+    if STORE_NEW:
+        newest = seq_len - 1
+        if (begin <= newest) & (newest < end):  # every head block's program whose keys include it
+            slot_row = cache_ptr + tl.load(table_row + newest // PAGE) * stride_cache_page
+            slot_row += newest % PAGE * stride_cache_slot
+            new_row = new_ptr + seq * stride_new_token
+            # The same bytes from each of them: whichever lands last, the slot holds the row.
+            latent_row = tl.load(new_row + latent_dims, mask=latent_dims < LATENT).to(tl.float32)
+            rope_row = tl.load(new_row + LATENT + rope_dims, mask=rope_dims < ROPE).to(tl.float32)
+            tl.store(slot_row + latent_dims, latent_row.to(cache_ptr.dtype.element_ty), mask=latent_dims < LATENT)
+            tl.store(slot_row + LATENT + rope_dims, rope_row.to(cache_ptr.dtype.element_ty), mask=rope_dims < ROPE)
+        tl.debug_barrier()  # its threads' stores, before any of them reads the row back
     for block_start in range(begin, end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
         visible = positions < end
