@@ -201,26 +201,11 @@ def _qk_norm_rotary_kernel(
     )
     first = tl.load(base, mask=mask, other=0.0)
     second = tl.load(base + HALF, mask=mask, other=0.0)
-    is_query = (heads < num_q_heads)[:, None]
-    cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
-    first, second = norm_and_rotate_heads(
-        first, second, is_query, q_weight_ptr, k_weight_ptr, cos_row, sin_row, cols, inside, eps, HALF
-    )
-    tl.store(base, first, mask=mask)
-    tl.store(base + HALF, second, mask=mask)
-
-
-@triton.jit
-def norm_and_rotate_heads(
-    first, second, is_query, q_weight_ptr, k_weight_ptr, cos_row, sin_row, cols, inside, eps, HALF: tl.constexpr
-):
-    """Heads' two halves [heads, BLOCK] (`cols`, those `inside` HALF real), each head
-    RMS-normalised with the query's weight (`is_query` [heads, 1]) or the key's, rounded as
-    `_rms_norm_kernel` rounds, then rotated by one row of cos and sin as `_rotary_kernel` does."""
     dtype = first.dtype
     first32, second32 = first.to(tl.float32), second.to(tl.float32)
     squares = tl.sum(first32 * first32, 1) + tl.sum(second32 * second32, 1)
     inverse_rms = (1.0 / tl.sqrt(squares / (2 * HALF) + eps))[:, None]
+    is_query = (heads < num_q_heads)[:, None]
     weight_first = tl.where(
         is_query,
         tl.load(q_weight_ptr + cols, mask=inside, other=0.0)[None, :],
@@ -233,7 +218,10 @@ def norm_and_rotate_heads(
     ).to(tl.float32)
     first = (weight_first * (first32 * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
     second = (weight_second * (second32 * inverse_rms).to(dtype).to(tl.float32)).to(dtype)
-    return rotate_half_pair(first, second, cos_row, sin_row, cols, inside, HALF)
+    cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_cos
+    first, second = rotate_half_pair(first, second, cos_row, sin_row, cols, inside, HALF)
+    tl.store(base, first, mask=mask)
+    tl.store(base + HALF, second, mask=mask)
 
 
 def qk_norm_rotary_(

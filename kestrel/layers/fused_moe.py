@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs, wait_then_release
-from kestrel.layers.gemv import MATVEC_CONFIGS, add_residual, arrival_counters, launch_rows, row_dots
+from kestrel.layers.gemv import MATVEC_CONFIGS, add_residual, launch_rows, row_dots
 from kestrel.layers.ops import RowNorm, rms_norm
 
 # Per-row float32 scales of w13 and w2 where the experts are float8, else None.
@@ -302,6 +302,21 @@ def _gemv_route_kernel(
 
 _tuned_gemv_route_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K", "NORMED"])(_gemv_route_kernel)
 
+# One arrival counter per device, zero between launches (each launch's last program resets
+# it). Launches on one device run one after another in stream order, which all of Kestrel's
+# forward passes do; two streams routing at once on one device would share it.
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counter(device: torch.device) -> torch.Tensor:
+    counter = _arrivals.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Made inside a capture, its zeroing would run at replay only, not before.
+            raise RuntimeError("gemv_route's first call must come before graph capture (a warm-up forward)")
+        counter = _arrivals[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
 
 def gemv_route(
     x: torch.Tensor,
@@ -329,13 +344,7 @@ def gemv_route(
     logits = torch.empty(rows, dtype=x.dtype, device=x.device)
     weights = torch.empty((1, width), dtype=x.dtype, device=x.device)
     experts = torch.empty((1, width), dtype=torch.int32, device=x.device)
-    args = (
-        x.contiguous(),
-        weight,
-        logits if bias is None else bias,
-        logits,
-        arrival_counters(x.device, "gemv_route", 1),
-    )
+    args = (x.contiguous(), weight, logits if bias is None else bias, logits, _arrival_counter(x.device))
     args += (weights, experts, logits if norm is None else norm.weight, rows, k, weight.stride(0), num_experts, 1.0)
     args += (0.0 if norm is None else norm.eps,)
     constants = dict(

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from kestrel.core.runtime.dependent_launch import dependent_launch_args, wait_for_inputs
-from kestrel.layers.fused import norm_and_rotate_heads, rotate_half_pair
-from kestrel.layers.ops import HeadRotation, QkHeadNorms, RowNorm
+from kestrel.layers.fused import rotate_half_pair
+from kestrel.layers.ops import HeadRotation, RowNorm
 
 TIMING_REPEATS = 20
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -118,32 +118,6 @@ def row_dots(
 
 
 @triton.jit
-def _scaled_row_dots(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    rows,
-    in_rows,
-    K,
-    stride_w,
-    norm_ptr,
-    eps,
-    HAS_SCALE: tl.constexpr,
-    NORMED: tl.constexpr,
-    DEPENDENT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """`row_dots` of single rows, each times its scale where the weight is float8 (HAS_SCALE)."""
-    acc, _ = row_dots(
-        x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, norm_ptr, eps, False, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
-    )
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
-    return acc
-
-
-@triton.jit
 def add_residual(values, residual_ptr, rows, in_rows, dtype: tl.constexpr):
     """values rounded to `dtype`, plus the residual rows, rounded again: the residual add
     as fused.rms_norm does it, so a matvec that adds it gives the bits the norm would."""
@@ -179,22 +153,11 @@ def _gemv_kernel(
     ranks' rounded sum; otherwise before, as cuBLAS adds it."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    acc = _scaled_row_dots(
-        x_ptr,
-        w_ptr,
-        scale_ptr,
-        rows,
-        in_rows,
-        K,
-        stride_w,
-        norm_ptr,
-        eps,
-        HAS_SCALE,
-        NORMED,
-        DEPENDENT,
-        BLOCK_N,
-        BLOCK_K,
+    acc, _ = row_dots(
+        x_ptr, w_ptr, rows, in_rows, K, stride_w, 0, norm_ptr, eps, False, NORMED, DEPENDENT, BLOCK_N, BLOCK_K
     )
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=in_rows, other=0.0)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
@@ -289,75 +252,6 @@ def _gemv_rotary_kernel(
     tl.store(out_ptr + first_rows + HALF, tl.where(rotated, new_second, second), mask=in_rows)
 
 
-@triton.jit
-def _gemv_qk_norm_rotary_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    scale_ptr,
-    norm_ptr,
-    q_weight_ptr,
-    k_weight_ptr,
-    cos_ptr,
-    sin_ptr,
-    arrivals_ptr,
-    N,
-    K,
-    stride_w,
-    num_q_heads,
-    normed_heads,
-    eps,
-    head_eps,
-    HALF: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    NORMED: tl.constexpr,
-    DEPENDENT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out = w @ x (NORMED: w @ RMSNorm(x); HAS_SCALE: a float8 weight, each row's dot times
-    its scale), BLOCK_N rows per program, never straddling a head; then each of the first
-    `normed_heads` heads (the query's, then the key's) is RMS-normalised and rotated by the
-    program that finishes its rows last (counted in `arrivals` [heads], zero before and after
-    the launch), as `fused.qk_norm_rotary_` does it after the matvec, to the bit."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < N
-    acc = _scaled_row_dots(
-        x_ptr,
-        w_ptr,
-        scale_ptr,
-        rows,
-        in_rows,
-        K,
-        stride_w,
-        norm_ptr,
-        eps,
-        HAS_SCALE,
-        NORMED,
-        DEPENDENT,
-        BLOCK_N,
-        BLOCK_K,
-    )
-    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=in_rows)
-    head = tl.program_id(0) * BLOCK_N // (2 * HALF)
-    if head < normed_heads:
-        # Every thread's stores, then one release: the head's last program acquires them all.
-        tl.debug_barrier()
-        if tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel", scope="gpu") == 2 * HALF // BLOCK_N - 1:
-            cols = tl.arange(0, HALF)
-            first_half = out_ptr + head * 2 * HALF + cols[None, :]
-            # Rows other programs wrote: read past the L1 cache.
-            first = tl.load(first_half, cache_modifier=".cg")
-            second = tl.load(first_half + HALF, cache_modifier=".cg")
-            is_query = (tl.zeros((1, 1), tl.int32) + head) < num_q_heads
-            first, second = norm_and_rotate_heads(
-                first, second, is_query, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, cols, cols < HALF, head_eps, HALF
-            )
-            tl.store(first_half, first)
-            tl.store(first_half + HALF, second)
-            tl.atomic_xchg(arrivals_ptr + head, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-
-
 MATVEC_CONFIGS = [
     triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps)
     # The best of a wide sweep on the H200 for every Llama-3-8B shape, then (on an H100) for
@@ -378,9 +272,6 @@ _tuned_silu_and_mul_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["WIDTH
     _gemv_silu_and_mul_kernel
 )
 _tuned_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["PAIRS", "K", "NORMED"])(_gemv_rotary_kernel)
-_tuned_qk_norm_rotary_kernel = triton.autotune(configs=MATVEC_CONFIGS, key=["N", "K", "NORMED"])(
-    _gemv_qk_norm_rotary_kernel
-)
 
 
 def gemv(
@@ -453,60 +344,6 @@ def gemv_rotary(
     constants = {name: value is not None for name, value in given.items()} | dict(HALF=head_dim // 2)
     launch_rows(_gemv_rotary_kernel, _tuned_rotary_kernel, pairs, config, args, **constants)
     return out
-
-
-def gemv_qk_norm_rotary(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    heads: QkHeadNorms,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    config: triton.Config | None = None,
-    norm: RowNorm | None = None,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x [1, K] (or norm(x)) @ weight[N, K].T -> [1, N], a qkv projection's rows, with its
-    query and key heads each RMS-normalised (`heads`) and rotated by cos/sin [1, head_dim]:
-    what `gemv` then `fused.qk_norm_rotary_` give, in one launch. `scale` as `gemv` takes it."""
-    rows, k = _check_operands(x, weight)
-    head_dim = heads.head_dim
-    if not folds_head_norms(rows, head_dim) or cos.shape != (1, head_dim) or sin.shape != cos.shape:
-        raise ValueError(f"gemv_qk_norm_rotary takes heads of {head_dim} rows (a multiple of 8, a power of 2 half)")
-    out = torch.empty((1, rows), dtype=x.dtype, device=x.device)
-    normed_heads = heads.num_q_heads + heads.num_k_heads
-    arrivals = arrival_counters(x.device, "qk_norm_rotary", normed_heads)
-    args = (x.contiguous(), weight, out, _or(scale, out), _norm_weight(norm, out), heads.q_weight, heads.k_weight)
-    args += (cos, sin, arrivals, rows, k, weight.stride(0), heads.num_q_heads, normed_heads, _eps(norm), heads.eps)
-    constants = dict(HALF=head_dim // 2, HAS_SCALE=scale is not None, NORMED=norm is not None)
-    launch_rows(_gemv_qk_norm_rotary_kernel, _tuned_qk_norm_rotary_kernel, rows, config, args, **constants)
-    return out
-
-
-def folds_head_norms(rows: int, head_dim: int) -> bool:
-    """Whether `gemv_qk_norm_rotary` takes a projection of `rows` in heads of `head_dim`: every
-    launch's row block (up to 8 rows) must lie within one head, and a half head be a power of
-    two (one tile)."""
-    half = head_dim // 2
-    return rows % head_dim == 0 and head_dim % 8 == 0 and half == triton.next_power_of_2(half)
-
-
-# Arrival counters, zero between launches (each launch's last program of a group resets its
-# own), by device, use and count. Launches on one device run one after another in stream
-# order, which all of Kestrel's forward passes do. None is ever replaced: a captured graph
-# keeps the address it was captured with.
-_arrival_counters: dict[tuple[torch.device, str, int], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, use: str, count: int) -> torch.Tensor:
-    """`count` zeroed int32 counters for the kernels of `use` on `device`, made on first need,
-    which must come before any graph capture (a warm-up forward)."""
-    counters = _arrival_counters.get((device, use, count))
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Made inside a capture, its zeroing would run at replay only, not before.
-            raise RuntimeError(f"{use}'s first call must come before graph capture (a warm-up forward)")
-        counters = _arrival_counters[(device, use, count)] = torch.zeros(count, dtype=torch.int32, device=device)
-    return counters
 
 
 def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:

@@ -141,50 +141,6 @@ def linear_rotary(
     return out
 
 
-@dataclass(frozen=True)
-class QkHeadNorms:
-    """Per-head RMS norms of a qkv projection's query heads and key heads (Qwen3's q_norm and
-    k_norm), which lie first in each row, the query's before the key's."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    num_q_heads: int
-    num_k_heads: int
-    head_dim: int
-
-
-def linear_qk_norm_rotary(
-    x: torch.Tensor,
-    weight: torch.Tensor | PackedWeight,
-    heads: QkHeadNorms,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    use_gemv: bool = False,
-    norm: RowNorm | None = None,
-) -> torch.Tensor:
-    """x @ weight.T (of norm(x) with `norm`), a bias-free qkv projection, with its query and key
-    heads normalised (`heads`) and rotated by cos/sin: one kernel where a one-row linear takes
-    the Triton matvec (the norms inside its launch, `gemv_qk_norm_rotary`); else the linear,
-    then `qk_norm_rotary`."""
-    operands = matvec_operands(x, weight, use_gemv)
-    if operands is not None and cos.shape[-1] == heads.head_dim:
-        from kestrel.layers import gemv
-
-        values, scale = operands
-        if gemv.folds_head_norms(values.shape[0], heads.head_dim):
-            return gemv.gemv_qk_norm_rotary(x, values, heads, cos, sin, norm=norm, scale=scale)
-    out = linear(x, weight, None, use_gemv, norm=norm)
-    tokens, q_width = out.shape[0], heads.num_q_heads * heads.head_dim
-    query = out[:, :q_width].view(tokens, heads.num_q_heads, heads.head_dim)
-    key = out[:, q_width : q_width + heads.num_k_heads * heads.head_dim].view(tokens, heads.num_k_heads, heads.head_dim)
-    normed_query, normed_key = qk_norm_rotary(query, key, heads.q_weight, heads.k_weight, heads.eps, cos, sin)
-    if normed_query is not query:  # computed out of place: the CPU, or a partial rotary dim
-        query.copy_(normed_query)
-        key.copy_(normed_key)
-    return out
-
-
 def takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
     """A one-row CUDA input of a weight `choose_matvec_kernels` marked takes layers/gemv.py;
     so does a one-row CPU input of any dtype where the kernels run on the CPU (tests)."""

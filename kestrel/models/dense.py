@@ -81,12 +81,6 @@ class DecoderAttention(nn.Module):
         add (`forward`'s `norm` and `residual`)."""
         return self.qkv_proj.folds(hidden) and self.o_proj.folds(hidden)
 
-    def head_norms(self) -> ops.QkHeadNorms:
-        """The q/k norms as the projection's kernels take them."""
-        spec = self.layer_spec
-        q_weight, k_weight = self.q_norm.effective_weight, self.k_norm.effective_weight
-        return ops.QkHeadNorms(q_weight, k_weight, self.q_norm.eps, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-
     def forward(
         self,
         hidden: torch.Tensor,
@@ -105,15 +99,6 @@ class DecoderAttention(nn.Module):
             rotation = ops.HeadRotation(cos, sin, spec.num_heads + spec.num_kv_heads, spec.head_dim)
             qkv_proj = self.qkv_proj
             qkv = ops.linear_rotary(hidden, qkv_proj.weight, qkv_proj.bias, rotation, qkv_proj.use_gemv, norm)
-            query, key, value = self.qkv_proj.split(qkv)
-            query = query.view(tokens, spec.num_heads, spec.head_dim)
-            key = key.view(tokens, spec.num_kv_heads, spec.head_dim)
-        elif self.qkv_proj.bias is None:
-            # Each head's norm and rotary inside the projection's own kernel where it can be.
-            qkv_proj = self.qkv_proj
-            qkv = ops.linear_qk_norm_rotary(
-                hidden, qkv_proj.weight, self.head_norms(), cos, sin, qkv_proj.use_gemv, norm
-            )
             query, key, value = self.qkv_proj.split(qkv)
             query = query.view(tokens, spec.num_heads, spec.head_dim)
             key = key.view(tokens, spec.num_kv_heads, spec.head_dim)

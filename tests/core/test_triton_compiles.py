@@ -31,8 +31,7 @@ BF16_ROW = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": 
 FOLDED_NORM = {"norm_ptr": "*bf16", "residual_ptr": "*bf16"}  # a layer's RMS norm inside its matvecs
 ATTENTION = {"query_ptr": "*bf16", "out_ptr": "*bf16", "seq_lens_ptr": "*i32", "page_table_ptr": "*i32"}
 ATTENTION |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "scale": "fp32"}
-ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32", "arrivals_ptr": "*i32"}
-ATTENTION |= {"new_key_ptr": "*bf16", "new_value_ptr": "*bf16", "new_ptr": "*bf16"}
+ATTENTION |= {"query_start_ptr": "*i32", "num_cached_ptr": "*i32"}
 FLOAT8_POOL = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
 BF16_POOL = {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16"}
 MOE_MATMUL = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*bf16"}
@@ -111,14 +110,6 @@ CASES = {
         BF16_ROW | FOLDED_NORM | {"cos_ptr": "*bf16", "sin_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
         dict(HALF=64, HAS_BIAS=False, HAS_SCALE=True, NORMED=True, DEPENDENT=True, BLOCK_N=2, BLOCK_K=4096),
     ),
-    "gemv_qk_norm_rotary": (  # Qwen3's qkv at one row, its q/k norms and rotary inside
-        gemv._gemv_qk_norm_rotary_kernel,
-        BF16_ROW
-        | FOLDED_NORM
-        | {"q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "cos_ptr": "*bf16"}
-        | {"sin_ptr": "*bf16", "arrivals_ptr": "*i32", "head_eps": "fp32"},
-        dict(HALF=64, HAS_SCALE=False, NORMED=True, DEPENDENT=True, BLOCK_N=4, BLOCK_K=1024),
-    ),
     "rms_norm": (
         fused._rms_norm_kernel,
         BF16_ROW | {"residual_ptr": "*bf16", "weight_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"},
@@ -143,37 +134,12 @@ CASES = {
     "decode_float8": (
         attention.decode_kernel,
         ATTENTION | FLOAT8_POOL,
-        DECODE
-        | dict(
-            SPLIT=False,
-            DOTS_IN_FP16=True,
-            VALUES_BY_SLOT=True,
-            WHOLE_BLOCKS=False,
-            COMBINE_IN_LAST=True,
-            STORE_NEW=False,
-        )
-        | dict(DEPENDENT=True),
-    ),
-    "decode_storing_its_row_float8": (  # one sequence alone: its new row stored by the decode
-        attention.decode_kernel,
-        ATTENTION | FLOAT8_POOL | {"page_table_ptr": "*i64"},
-        DECODE
-        | dict(SPLIT=True, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, WHOLE_BLOCKS=False, COMBINE_IN_LAST=True)
-        | dict(STORE_NEW=True, DEPENDENT=True),
+        DECODE | dict(SPLIT=False, DOTS_IN_FP16=True, VALUES_BY_SLOT=True, WHOLE_BLOCKS=False, DEPENDENT=True),
     ),
     "decode_split_bf16": (
         attention.decode_kernel,
         ATTENTION | BF16_POOL,
-        DECODE
-        | dict(
-            SPLIT=True,
-            DOTS_IN_FP16=False,
-            VALUES_BY_SLOT=False,
-            WHOLE_BLOCKS=True,
-            COMBINE_IN_LAST=True,
-            STORE_NEW=False,
-        )
-        | dict(DEPENDENT=True),
+        DECODE | dict(SPLIT=True, DOTS_IN_FP16=False, VALUES_BY_SLOT=False, WHOLE_BLOCKS=True, DEPENDENT=True),
     ),
     # decode_launch's large-batch setting, with the widest pool it may read (float32).
     "decode_large_batch_float32": (
@@ -181,26 +147,26 @@ CASES = {
         ATTENTION | {"query_ptr": "*fp32", "key_cache_ptr": "*fp32", "value_cache_ptr": "*fp32"},
         DECODE
         | dict(BLOCK_N=128, PRECISION="ieee", SPLIT=False, DOTS_IN_FP16=False, VALUES_BY_SLOT=False)
-        | dict(WHOLE_BLOCKS=False, COMBINE_IN_LAST=True, STORE_NEW=False, DEPENDENT=True),
+        | dict(WHOLE_BLOCKS=False, DEPENDENT=True),
     ),
     "mla_decode_split_bf16": (  # DeepSeek's 512-dim latent and 64 rotary dims
         triton_mla.mla_decode_kernel,
         ATTENTION | {"cache_ptr": "*bf16"},
         dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
-        | dict(SPLIT=True, STORE_NEW=True, DEPENDENT=True),
+        | dict(SPLIT=True, DEPENDENT=True),
     ),
     "decode_split_sinks_bf16": (
         attention.decode_kernel,
         ATTENTION | BF16_POOL | {"sinks_ptr": "*bf16"},
         DECODE
         | dict(GROUP=8, HEAD_DIM=64, BLOCK_D=64, HAS_SINKS=True, SPLIT=True, DOTS_IN_FP16=False)
-        | dict(VALUES_BY_SLOT=False, WHOLE_BLOCKS=False, COMBINE_IN_LAST=True, STORE_NEW=False, DEPENDENT=True),
+        | dict(VALUES_BY_SLOT=False, WHOLE_BLOCKS=False, DEPENDENT=True),
     ),
     "mla_decode_float8": (  # a float8 latent pool, widened to bf16 as it is read
         triton_mla.mla_decode_kernel,
         ATTENTION | {"cache_ptr": "*fp8e4nv"},
         dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=16, PAGE=16, BLOCK_N=32, PRECISION="tf32")
-        | dict(SPLIT=False, STORE_NEW=False, DEPENDENT=True),
+        | dict(SPLIT=False, DEPENDENT=True),
     ),
     "combine_splits": (
         attention.combine_splits_kernel,

@@ -66,73 +66,6 @@ def test_split_decode_matches_dense_attention(num_splits, window, chunk, whole_b
         torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits, with_sinks", [(5, False), (16, True)])
-def test_the_last_split_combines_as_the_combine_launch_does(num_splits, with_sinks):
-    """The split of each (sequence, kv head) that finishes last merges the partials in the
-    decode launch itself; the separate combine launch (COMBINE_IN_LAST off) gives the same."""
-    torch.manual_seed(0)
-    device = torch.device(DEVICES[0])
-    heads, kv_heads, dim, page_size = 8, 2, 64, 16
-    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, sinks=with_sinks)
-    sinks = (torch.randn(heads) * 3).to(device) if with_sinks else None
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, page_size=page_size)
-    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
-    backend = TritonPagedBackend(device, page_size)
-    lengths = [300, 5, 129]  # the short one leaves most of its splits empty
-    chunks = []
-    for index, length in enumerate(lengths):
-        pages = tuple(kv.reserve(str(index), length))
-        slots = backend.bind(BatchLayout((SequenceChunk(length, 0, pages),), 0, page_size)).slot_mapping
-        backend.store(kv.layer(0), *(torch.randn(length, kv_heads, dim, device=device) for _ in range(2)), slots)
-        chunks.append(SequenceChunk(1, length - 1, pages))
-    decode = backend.bind(BatchLayout(tuple(chunks), num_decodes=len(chunks), page_size=page_size)).decode
-    query = torch.randn(len(lengths), heads, dim, device=device)
-    outputs = {}
-    for in_last in (True, False):
-        outputs[in_last] = torch.full_like(query, float("nan"))
-        decode_attention(
-            query, kv.layer(0), decode, layer, outputs[in_last], num_splits, sinks=sinks, COMBINE_IN_LAST=in_last
-        )
-    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("length", [1, 37, 300])
-def test_a_lone_decode_row_is_stored_by_the_decode_launch(pool_dtype, length):
-    """One sequence decoding alone: the backend's forward leaves its new key and value to the
-    decode launch (no store launch), which writes them into their slot (whatever stale bytes
-    were there), then attends over them with the rest; for any split of the keys."""
-    torch.manual_seed(length)
-    device = torch.device(DEVICES[0])
-    heads, kv_heads, dim, page_size = 8, 2, 64, 16
-    layer = AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5)
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=pool_dtype, page_size=page_size)
-    kv = PagedKVProvider(spec, 64 * spec.bytes_per_page(), device)
-    for pages in (kv.layer(0).key, kv.layer(0).value):
-        pages.view(torch.uint8).fill_(0x7E)  # stale slots
-    backend = TritonPagedBackend(device, page_size)
-    query_dtype = torch.float16 if pool_dtype != torch.float32 else torch.float32
-    keys, values = ((torch.randn(length, kv_heads, dim) * 2).to(pool_dtype).float() for _ in range(2))
-    pages = tuple(kv.reserve("a", length))
-    if length > 1:
-        metadata = backend.bind(BatchLayout((SequenceChunk(length - 1, 0, pages),), 0, page_size))
-        backend.store(
-            kv.layer(0), keys[:-1].to(device, query_dtype), values[:-1].to(device, query_dtype), metadata.slot_mapping
-        )
-    step = backend.bind(BatchLayout((SequenceChunk(1, length - 1, pages),), num_decodes=1, page_size=page_size))
-    query = torch.randn(1, heads, dim, dtype=query_dtype)
-    new_key, new_value = keys[-1:].to(device, query_dtype), values[-1:].to(device, query_dtype)
-    backend.store = lambda *args: pytest.fail("a lone decode row took the store launch")
-    output = backend.forward(query.to(device), new_key, new_value, kv.layer(0), step, layer)
-    expected = dense_reference(query.float(), keys, values, length - 1, layer.scale, None)
-    tolerance = 1e-5 if pool_dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(output.float().cpu(), expected, atol=tolerance, rtol=tolerance)
-    slot = int(step.slot_mapping[0])
-    stored_key = kv.layer(0).key[:, slot // page_size, slot % page_size].float().cpu()
-    stored_value = kv.layer(0).value[:, slot // page_size, slot % page_size].float().cpu()
-    assert torch.equal(stored_key, keys[-1]) and torch.equal(stored_value, values[-1])
-
-
 def test_small_batches_split_and_large_ones_do_not():
     cpu = torch.device("cpu")
     assert decode_splits(1, 1, cpu) > 1
@@ -216,11 +149,6 @@ def test_split_partials_come_from_the_workspace_the_backend_allocated():
     torch.testing.assert_close(through_workspace, allocated)
     partials = workspace.get("attention.decode.partial_lse", (1,), torch.float32)
     assert partials.abs().sum() > 0  # the split wrote its partials there
-    # Each launch leaves its arrival counters at zero, so the next one (a graph's replay) combines too.
-    assert not workspace.get("attention.decode.arrivals", (2,), torch.int32).any()
-    again = torch.full_like(query, float("nan"))
-    backend.decode(query, query, query, kv.layer(0), decode, layer, again)
-    torch.testing.assert_close(again, through_workspace)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
@@ -251,34 +179,3 @@ def test_latent_decode_matches_dense_attention_for_any_split(num_splits, dims):
     for row, (length, keys) in enumerate(zip(lengths, contexts)):
         expected = dense_reference(query[row : row + 1], keys, keys[..., :latent], length - 1, layer.scale, None)
         torch.testing.assert_close(output[row : row + 1].cpu(), expected, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("length", [1, 47, 130])
-def test_a_lone_latent_row_is_stored_by_the_decode_launch(length):
-    """Latent attention, one sequence decoding alone: every head block's programs over the
-    newest position store its latent row (the same bytes) before reading it; no store launch."""
-    from kestrel.core.attention.triton_mla import TritonMlaBackend
-
-    torch.manual_seed(length)
-    device = torch.device(DEVICES[0])
-    latent, rope, heads, page_size = 32, 16, 18, 16  # two blocks of query heads
-    dim = latent + rope
-    layer = AttentionLayerSpec(heads, 1, dim, 0.1, latent_dim=latent)
-    spec = KVCacheSpec(1, 1, dim, torch.float32, page_size, latent_dim=latent)
-    kv = PagedKVProvider(spec, 32 * spec.bytes_per_page(), device)
-    kv.layer(0).key.fill_(1e4)  # stale slots
-    backend = TritonMlaBackend(device, page_size)
-    keys = torch.randn(length, 1, dim)
-    pages = tuple(kv.reserve("a", length))
-    if length > 1:
-        metadata = backend.bind(BatchLayout((SequenceChunk(length - 1, 0, pages),), 0, page_size))
-        backend.store(kv.layer(0), keys[:-1].to(device), keys[:-1, :, :latent].to(device), metadata.slot_mapping)
-    step = backend.bind(BatchLayout((SequenceChunk(1, length - 1, pages),), num_decodes=1, page_size=page_size))
-    backend.store = lambda *args: pytest.fail("a lone decode row took the store launch")
-    query = torch.randn(1, heads, dim)
-    new_row = keys[-1:].to(device)
-    output = backend.forward(query.to(device), new_row, new_row[..., :latent], kv.layer(0), step, layer)
-    expected = dense_reference(query, keys, keys[..., :latent], length - 1, layer.scale, None)
-    torch.testing.assert_close(output.cpu(), expected, atol=1e-5, rtol=1e-5)
-    slot = int(step.slot_mapping[0])
-    assert torch.equal(kv.layer(0).key[0, slot // page_size, slot % page_size].cpu(), keys[-1, 0])

@@ -84,62 +84,6 @@ def test_gemv_rotary_is_the_linear_then_the_rotary_of_its_query_and_key_heads(dt
     torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("normed", [False, True])
-@pytest.mark.parametrize(("block_n", "block_k"), [(8, 32), (2, 64), (1, 128)])
-def test_gemv_qk_norm_rotary_is_the_linear_then_the_heads_norms_and_rotary(dtype, normed, block_n, block_k):
-    """Each query and key head normed and rotated by the program that finishes its rows last:
-    the bits of the matvec then the q/k norm kernel, the value heads as the matvec left them;
-    twice, since each launch must leave its arrival counters at zero for the next."""
-    torch.manual_seed(block_n)
-    head_dim, q_heads, k_heads, v_heads, k = 16, 3, 2, 2, 72
-    x, norm, _ = _norm_and_residual(dtype, k, 1, dtype)
-    norm = norm if normed else None
-    weight = torch.randn((q_heads + k_heads + v_heads) * head_dim, k, device=DEVICE).to(dtype)
-    q_weight, k_weight = (torch.rand(head_dim, device=DEVICE).to(dtype) + 0.5 for _ in range(2))
-    heads = ops.QkHeadNorms(q_weight, k_weight, 1e-6, q_heads, k_heads, head_dim)
-    angles = torch.rand(1, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    config = triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k})
-    separate = gemv.gemv(x, weight, config=config, norm=norm)
-    normed_width = (q_heads + k_heads) * head_dim
-    fused.qk_norm_rotary_(
-        separate[:, :normed_width].view(1, q_heads + k_heads, head_dim), q_heads, q_weight, k_weight, 1e-6, cos, sin
-    )
-    for _ in range(2):
-        got = gemv.gemv_qk_norm_rotary(x, weight, heads, cos, sin, config=config, norm=norm)
-        assert torch.equal(got, separate)
-    assert not gemv.arrival_counters(got.device, "qk_norm_rotary", q_heads + k_heads).any()
-    unnormed = gemv.gemv(x, weight, config=config, norm=norm)
-    assert not torch.equal(got[:, :normed_width], unnormed[:, :normed_width])
-    assert torch.equal(got[:, normed_width:], unnormed[:, normed_width:])
-
-
-def test_the_qkv_linear_folds_its_head_norms_at_one_row_and_not_beyond():
-    """`ops.linear_qk_norm_rotary`: one row through the folding matvec (under Triton's
-    interpreter here), two rows through the linear then the head norms, the same values."""
-    torch.manual_seed(3)
-    head_dim, q_heads, k_heads, k = 16, 4, 2, 40
-    weight = torch.randn((q_heads + 2 * k_heads) * head_dim, k, device=DEVICE).to(DTYPES[0])
-    q_weight, k_weight = (torch.rand(head_dim, device=DEVICE).to(DTYPES[0]) + 0.5 for _ in range(2))
-    heads = ops.QkHeadNorms(q_weight, k_weight, 1e-6, q_heads, k_heads, head_dim)
-    angles = torch.rand(2, head_dim // 2, device=DEVICE).repeat(1, 2) * 6
-    cos, sin = angles.cos().to(weight.dtype), angles.sin().to(weight.dtype)
-    x = torch.randn(2, k, device=DEVICE).to(weight.dtype)
-    with kernels_on_cpu() if DEVICE == "cpu" else nullcontext():
-        both = ops.linear_qk_norm_rotary(x, weight, heads, cos, sin, use_gemv=True)
-        first = ops.linear_qk_norm_rotary(x[:1], weight, heads, cos[:1], sin[:1], use_gemv=True)
-    expected = ops.linear(x, weight)
-    width = (q_heads + k_heads) * head_dim
-    query, key = expected[:, : q_heads * head_dim], expected[:, q_heads * head_dim : width]
-    query, key = ops.qk_norm_rotary(
-        query.reshape(2, q_heads, head_dim), key.reshape(2, k_heads, head_dim), q_weight, k_weight, 1e-6, cos, sin
-    )
-    expected[:, :width] = torch.cat((query.reshape(2, -1), key.reshape(2, -1)), dim=1)
-    _close_to_a_rounding(both, expected)
-    _close_to_a_rounding(first, expected[:1])
-
-
 def test_gemv_refuses_more_than_one_row():
     with pytest.raises(ValueError, match="gemv takes x"):
         gemv.gemv(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))

@@ -21,11 +21,6 @@ class PagedAttentionBackend(AttentionBackend):
     """A backend that reads the paged pool of one state group through page tables."""
 
     group = KV_GROUP  # the state group whose pages this backend reads
-    # Whether `decode` can store a step's new row where it is the step's only row (one
-    # sequence decoding alone): that saves the store's launch, and no other row of the step
-    # reads the row before it is stored. (With several rows, a verify chunk's later rows
-    # read the keys of its earlier ones.)
-    decode_stores_lone_row = False
 
     @abstractmethod
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -45,9 +40,7 @@ class PagedAttentionBackend(AttentionBackend):
         """Attention for the decode rows (the first `meta.num_seqs`), written into `output`.
 
         `key` and `value` are the step's new rows, already stored in `cache`: a backend may
-        read them from either place. A backend that declares `decode_stores_lone_row` is
-        called instead with `store_new_rows=True` where the step is one decode row alone, and
-        stores that row itself.
+        read them from either place.
         """
 
     @abstractmethod
@@ -73,15 +66,10 @@ class PagedAttentionBackend(AttentionBackend):
         layer: AttentionLayerSpec,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        lone_row = metadata.prefill is None and metadata.decode is not None and metadata.decode.num_seqs == 1
-        stored_by_decode = self.decode_stores_lone_row and lone_row
-        if not stored_by_decode:
-            self.store(cache, key, value, metadata.slot_mapping)
+        self.store(cache, key, value, metadata.slot_mapping)
         output = query.new_empty((*query.shape[:-1], value.shape[-1]))
         # Only backends that declare sinks are selected for layers that have them.
         extra = {"sinks": sinks} if sinks is not None else {}
-        if stored_by_decode:
-            extra["store_new_rows"] = True
         if metadata.decode is not None:
             self.decode(query, key, value, cache, metadata.decode, layer, output, **extra)
         if metadata.prefill is not None:

@@ -6,8 +6,7 @@
   that KV head are the rows of one tile, so each KV page is read once per head group. Keys
   are taken BLOCK_N at a time, across several pages, so each step does a sizeable dot. When
   a batch has too few (sequence, kv head) pairs to fill the GPU, the keys are split across
-  programs (flash-decoding) and the split that finishes last merges their partial softmaxes
-  (or, in a launch of its own, `combine_splits_kernel`, which latent attention uses).
+  programs (flash-decoding) and `combine_splits_kernel` merges their partial softmaxes.
 - `prefill_kernel`: one program per (sequence, query head, block of query rows), the last
   blocks first; walks the sequence's pages (cached prefix and new tokens alike) with
   causal and window masks.
@@ -222,16 +221,7 @@ def decode_kernel(
     stride_page_table,
     partial_out_ptr,
     partial_lse_ptr,
-    arrivals_ptr,
     sinks_ptr,
-    new_key_ptr,
-    new_value_ptr,
-    stride_new_key_token,
-    stride_new_key_head,
-    stride_new_value_token,
-    stride_new_value_head,
-    stride_value_cache_slot,
-    stride_value_cache_dim,
     scale,
     window,
     chunk,
@@ -248,21 +238,10 @@ def decode_kernel(
     VALUES_BY_SLOT: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
-    COMBINE_IN_LAST: tl.constexpr,
-    STORE_NEW: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """`sinks` (HAS_SINKS): a logit per query head in each softmax, with no value (GPT-OSS);
-    counted by the first split alone, so that combining the splits counts it once.
-
-    COMBINE_IN_LAST (with SPLIT): the split of a (sequence, kv head) that finishes last
-    combines all of them into `out`, counting arrivals in `arrivals` [seq, kv_head] (zero
-    before the launch, zero again after it), which saves the combine's own launch.
-
-    STORE_NEW: each sequence's new key and value rows (`new_key`, `new_value` [rows, kv
-    heads, dim]) are not yet in the pool; the program whose keys include the newest position
-    stores them there first, which saves the store's own launch. Only where no other row of
-    the launch reads them: one sequence alone (`PagedAttentionBackend.forward`)."""
+    counted by the first split alone, so that combining the splits counts it once."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -303,23 +282,6 @@ def decode_kernel(
     if WHOLE_BLOCKS:
         whole_blocks = tl.maximum(end - begin, 0) // BLOCK_N  # an empty split: none
         whole_end = tl.where((window == 0) & (chunk == 0), begin + whole_blocks * BLOCK_N, begin)
-    if STORE_NEW:
-        newest = seq_len - 1
-        if (begin <= newest) & (newest < end):  # the one program whose keys include it
-            _store_newest(
-                new_key_ptr + seq * stride_new_key_token + kv_head * stride_new_key_head,
-                new_value_ptr + seq * stride_new_value_token + kv_head * stride_new_value_head,
-                key_cache_ptr,
-                value_cache_ptr,
-                kv_head * stride_cache_head + tl.load(table_row + newest // PAGE) * stride_cache_page,
-                newest % PAGE,
-                stride_cache_slot,
-                stride_value_cache_slot,
-                stride_value_cache_dim,
-                HEAD_DIM,
-                BLOCK_D,
-            )
-        tl.debug_barrier()  # its threads' stores, before any of them reads the row back
     query_positions = seq_len - 1 + rows * 0  # every row's query is the newest token
     for masked in tl.static_range(1 - WHOLE_BLOCKS, 2):  # the whole blocks, then the edge one
         acc, row_max, row_sum = _attend_range(
@@ -352,84 +314,17 @@ def decode_kernel(
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # padded rows saw nothing
     out = acc / seen[:, None]
     if SPLIT:  # partial results, [seq, head, split, dim] and [seq, head, split], for combining
-        first_partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits
+        partial = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
         empty = row_sum == 0.0
         lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))  # base 2
-        tl.store(partial_lse_ptr + first_partial + split, lse, mask=row_ok)
-        tl.store(partial_out_ptr + (first_partial + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
-        if COMBINE_IN_LAST:
-            # Every thread's stores, then one release: the split that arrives last acquires them all.
-            tl.debug_barrier()
-            arrival = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                out = combined_splits(
-                    partial_out_ptr, partial_lse_ptr, first_partial, num_splits, dims, row_ok, io_mask, HEAD_DIM
-                )
-                tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-                tl.store(
-                    out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
-                    out.to(out_ptr.dtype.element_ty),
-                    mask=io_mask,
-                )
+        tl.store(partial_lse_ptr + partial, lse, mask=row_ok)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
     else:
         tl.store(
             out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=io_mask,
         )
-
-
-@triton.jit
-def _store_newest(
-    key_row_ptr,
-    value_row_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    page_start,
-    in_page,
-    stride_key_cache_slot,
-    stride_value_cache_slot,
-    stride_value_cache_dim,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One head's new key and value rows into their slot, as `store_kv_kernel` writes them."""
-    dims = tl.arange(0, BLOCK_D)
-    inside = dims < HEAD_DIM
-    key = tl.load(key_row_ptr + dims, mask=inside)
-    value = tl.load(value_row_ptr + dims, mask=inside)
-    key_target = key_cache_ptr + page_start + in_page * stride_key_cache_slot + dims
-    value_target = value_cache_ptr + page_start + in_page * stride_value_cache_slot + dims * stride_value_cache_dim
-    tl.store(key_target, key.to(tl.float32).to(key_cache_ptr.dtype.element_ty), mask=inside)
-    tl.store(value_target, value.to(tl.float32).to(value_cache_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def combined_splits(
-    partial_out_ptr, partial_lse_ptr, first_partial, num_splits, dims, row_ok, io_mask, HEAD_DIM: tl.constexpr
-):
-    """A head group's output from its splits' partials (written by other programs: read past
-    the L1 cache), weighted by their shares of the softmax mass, in one pass: the running
-    weights are rescaled whenever a later split's log-sum-exp is the larger."""
-    top = tl.full(first_partial.shape, float("-inf"), dtype=tl.float32)
-    total = tl.zeros(first_partial.shape, dtype=tl.float32)
-    acc = tl.zeros(io_mask.shape, dtype=tl.float32)
-    for split in range(num_splits):
-        lse = tl.load(partial_lse_ptr + first_partial + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(
-            partial_out_ptr + (first_partial + split)[:, None] * HEAD_DIM + dims[None, :],
-            mask=io_mask,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        new_top = tl.maximum(top, lse)
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # all empty so far: weights 0
-        rescale = tl.exp2(top - shift)
-        weight = tl.exp2(lse - shift)
-        acc = acc * rescale[:, None] + part * weight[:, None]
-        total = total * rescale + weight
-        top = new_top
-    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.

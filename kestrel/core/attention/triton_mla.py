@@ -4,8 +4,8 @@ A latent pool holds one row per token and layer: the latent (`latent_dim` dims) 
 the rotary key dims, shared by every query head; the values are the latents themselves
 (`KVLayerCache.values_in_keys`). Decode (`mla_decode_kernel`): one program per (sequence,
 block of query heads, split); each key block is read once for the block's heads, the scores
-are latent and rotary dots summed, the weights multiply the same latent tile. The split
-that finishes last merges them, as in the paged backend's decode. Prefill runs the torch reference
+are latent and rotary dots summed, the weights multiply the same latent tile. Splits are
+merged by the paged backend's `combine_splits`. Prefill runs the torch reference
 (one attention per sequence over its gathered pages): correct, and outside the decode graphs.
 """
 
@@ -18,12 +18,12 @@ import triton.language as tl
 from kestrel.core.attention.base import LATENT_KV, AttentionLayerSpec, BackendCapabilities
 from kestrel.core.attention.torch_ref import prefill_attention as torch_prefill_attention
 from kestrel.core.attention.torch_ref import raw_bytes
-from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step, combined_splits
+from kestrel.core.attention.triton_kernels import LOG2E, _softmax_step
 from kestrel.core.attention.triton_paged import (
     TritonPagedBackend,
+    combine_splits,
     decode_splits,
     page_size_of,
-    split_arrivals,
     split_partials,
 )
 from kestrel.core.metadata import DecodeMetadata, PrefillMetadata
@@ -65,10 +65,8 @@ class TritonMlaBackend(TritonPagedBackend):
         meta: DecodeMetadata,
         layer: AttentionLayerSpec,
         output: torch.Tensor,
-        store_new_rows: bool = False,
     ) -> None:
-        new_rows = key if store_new_rows else None
-        mla_decode_attention(query, cache, meta, layer, output, workspace=self._workspace, new_rows=new_rows)
+        mla_decode_attention(query, cache, meta, layer, output, workspace=self._workspace)
 
     def prefill(
         self,
@@ -95,23 +93,17 @@ def mla_decode_attention(
     output: torch.Tensor,
     num_splits: int | None = None,
     workspace: Workspace | None = None,
-    new_rows: torch.Tensor | None = None,
 ) -> None:
     """query [rows, heads, latent + rope] over the latent pool; output [rows, heads, latent].
-    Splits as the paged backend's decode: by the batch's shape alone (graph-safe).
-    `new_rows` [rows, 1, latent + rope]: the sequences' newest rows, not yet in the pool,
-    which the launch stores first."""
+    Splits as the paged backend's decode: by the batch's shape alone (graph-safe)."""
     latent, rope = layer.latent_dim, layer.head_dim - layer.latent_dim
     heads = layer.num_heads
     splits = num_splits or decode_splits(meta.num_seqs, triton.cdiv(heads, HEAD_BLOCK), query.device)
     partial_out = partial_lse = output  # unused without splits
-    arrivals = meta.seq_lens  # unused without splits
-    head_blocks = triton.cdiv(heads, HEAD_BLOCK)
     if splits > 1:
         partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits, latent)
-        arrivals = split_arrivals(workspace, query.device, meta.num_seqs, head_blocks)
     keys = cache.key
-    mla_decode_kernel[(meta.num_seqs, head_blocks, splits)](
+    mla_decode_kernel[(meta.num_seqs, triton.cdiv(heads, HEAD_BLOCK), splits)](
         query,
         keys,
         output,
@@ -126,9 +118,6 @@ def mla_decode_attention(
         meta.page_table.stride(0),
         partial_out,
         partial_lse,
-        arrivals,
-        query if new_rows is None else new_rows,  # any tensor where there are none
-        0 if new_rows is None else new_rows.stride(0),
         layer.scale,
         splits,
         heads,
@@ -141,11 +130,12 @@ def mla_decode_attention(
         BLOCK_N=KEY_BLOCK,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SPLIT=splits > 1,
-        STORE_NEW=new_rows is not None,
         num_warps=4,
         num_stages=2,
         **dependent_launch_args(query.device),
     )
+    if splits > 1:
+        combine_splits(partial_out, partial_lse, output, meta.num_seqs, latent)
 
 
 # Values that change from step to step: a compiled variant for each would stall serving.
@@ -168,9 +158,6 @@ def mla_decode_kernel(
     stride_page_table,
     partial_out_ptr,
     partial_lse_ptr,
-    arrivals_ptr,
-    new_ptr,
-    stride_new_token,
     scale,
     num_splits,
     num_heads,
@@ -183,15 +170,11 @@ def mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
-    STORE_NEW: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """One program per (sequence, block of BLOCK_H query heads, split): the heads' scores
     against each key block are latent . latent + rope . rope, and their weights multiply the
-    latent tile already loaded for the scores. SPLIT: the split of a (sequence, head block)
-    that finishes last combines the partials, as the paged decode kernel's do. STORE_NEW:
-    each sequence's new row (`new` [rows, 1, latent + rope]) is not yet in the pool, and the
-    programs whose keys include it store it first, as the paged decode kernel does."""
+    latent tile already loaded for the scores."""
     wait_for_inputs(DEPENDENT)
     seq = tl.program_id(0)
     split = tl.program_id(2)
@@ -213,18 +196,6 @@ def mla_decode_kernel(
     begin = split * blocks_per_split * BLOCK_N
     end = tl.minimum(begin + blocks_per_split * BLOCK_N, seq_len)
     table_row = page_table_ptr + seq * stride_page_table
-    if STORE_NEW:
-        newest = seq_len - 1
-        if (begin <= newest) & (newest < end):  # every head block's program whose keys include it
-            slot_row = cache_ptr + tl.load(table_row + newest // PAGE) * stride_cache_page
-            slot_row += newest % PAGE * stride_cache_slot
-            new_row = new_ptr + seq * stride_new_token
-            # The same bytes from each of them: whichever lands last, the slot holds the row.
-            latent_row = tl.load(new_row + latent_dims, mask=latent_dims < LATENT).to(tl.float32)
-            rope_row = tl.load(new_row + LATENT + rope_dims, mask=rope_dims < ROPE).to(tl.float32)
-            tl.store(slot_row + latent_dims, latent_row.to(cache_ptr.dtype.element_ty), mask=latent_dims < LATENT)
-            tl.store(slot_row + LATENT + rope_dims, rope_row.to(cache_ptr.dtype.element_ty), mask=rope_dims < ROPE)
-        tl.debug_barrier()  # its threads' stores, before any of them reads the row back
     for block_start in range(begin, end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
         visible = positions < end
@@ -242,20 +213,12 @@ def mla_decode_kernel(
     seen = tl.where(row_sum == 0.0, 1.0, row_sum)  # an empty split saw nothing
     out = acc / seen[:, None]
     io_mask = head_ok[:, None] & latent_ok
-    out_rows = out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head
-    if SPLIT:  # partials [seq, head, split, latent] and [seq, head, split]
-        first_partial = (seq * num_heads + heads) * num_splits
+    if SPLIT:  # partials [seq, head, split, latent] and [seq, head, split], as combine_splits_kernel reads
+        partial = (seq * num_heads + heads) * num_splits + split
         empty = row_sum == 0.0
         lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
-        tl.store(partial_lse_ptr + first_partial + split, lse, mask=head_ok)
-        tl.store(partial_out_ptr + (first_partial + split)[:, None] * LATENT + latent_dims[None, :], out, mask=io_mask)
-        tl.debug_barrier()  # every thread's stores, then one release
-        arrival = arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            out = combined_splits(
-                partial_out_ptr, partial_lse_ptr, first_partial, num_splits, latent_dims, head_ok, io_mask, LATENT
-            )
-            tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-            tl.store(out_rows + latent_dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(partial_lse_ptr + partial, lse, mask=head_ok)
+        tl.store(partial_out_ptr + partial[:, None] * LATENT + latent_dims[None, :], out, mask=io_mask)
     else:
+        out_rows = out_ptr + seq * stride_out_token + heads[:, None] * stride_out_head
         tl.store(out_rows + latent_dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)

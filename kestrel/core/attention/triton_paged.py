@@ -59,8 +59,6 @@ class TritonPagedBackend(PagedAttentionBackend):
     def store(self, cache: KVLayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         store_kv(cache, key, value, slots)
 
-    decode_stores_lone_row = True
-
     def decode(
         self,
         query: torch.Tensor,
@@ -71,10 +69,8 @@ class TritonPagedBackend(PagedAttentionBackend):
         layer: AttentionLayerSpec,
         output: torch.Tensor,
         sinks: torch.Tensor | None = None,
-        store_new_rows: bool = False,
     ) -> None:
-        new_rows = (key, value) if store_new_rows else None
-        decode_attention(query, cache, meta, layer, output, workspace=self._workspace, sinks=sinks, new_rows=new_rows)
+        decode_attention(query, cache, meta, layer, output, workspace=self._workspace, sinks=sinks)
 
     def prefill(
         self,
@@ -147,22 +143,18 @@ def decode_attention(
     num_splits: int | None = None,
     workspace: Workspace | None = None,
     sinks: torch.Tensor | None = None,
-    new_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     **launch: int,
 ) -> None:
     """`num_splits` (key splits per sequence) depends on the batch's shape only, never on
     its lengths, so a captured graph stays valid for every step of its bucket. The split
     partials come from `workspace` (reserved by `TritonPagedBackend.allocate`), else are
-    allocated for this call. `new_rows` (key, value [rows, kv heads, dim]): the sequences'
-    newest rows, not yet in the pool, which the launch stores first (`decode_kernel`'s
-    STORE_NEW). `launch` (num_warps, num_stages, BLOCK_N) overrides the defaults, for sweeps."""
+    allocated for this call. `launch` (num_warps, num_stages, BLOCK_N) overrides the
+    defaults, for sweeps."""
     group = layer.num_heads // layer.num_kv_heads
     splits = num_splits or decode_splits(meta.num_seqs, layer.num_kv_heads, query.device)
     partial_out = partial_lse = output  # unused without splits
-    arrivals = meta.seq_lens  # unused without splits
     if splits > 1:
         partial_out, partial_lse = split_partials(workspace, query, meta.num_seqs, layer, splits)
-        arrivals = split_arrivals(workspace, query.device, meta.num_seqs, layer.num_kv_heads)
     constants = dict(
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
@@ -174,11 +166,8 @@ def decode_attention(
         DOTS_IN_FP16=_dots_in_fp16(query, cache),
         VALUES_BY_SLOT=cache.values_by_slot,
         HAS_SINKS=sinks is not None,
-        COMBINE_IN_LAST=True,
-        STORE_NEW=new_rows is not None,
         **dependent_launch_args(query.device),
     )
-    new_key, new_value = new_rows or (query, query)  # any tensors where there are none
     constants.update(decode_launch(cache, layer.head_dim, splits))
     constants.update(launch)
     decode_kernel[(meta.num_seqs, layer.num_kv_heads, splits)](
@@ -198,44 +187,24 @@ def decode_attention(
         meta.page_table.stride(0),
         partial_out,
         partial_lse,
-        arrivals,
         query if sinks is None else sinks,  # any pointer where there are none
-        new_key,
-        new_value,
-        new_key.stride(0),
-        new_key.stride(1),
-        new_value.stride(0),
-        new_value.stride(1),
-        cache.value.stride(2),
-        cache.value.stride(3),
         layer.scale,
         *_masks(layer),
         splits,
         **constants,
     )
-    if splits > 1 and not constants["COMBINE_IN_LAST"]:
+    if splits > 1:
         combine_splits(partial_out, partial_lse, output, meta.num_seqs, layer.head_dim)
 
 
 _PARTIAL_OUT, _PARTIAL_LSE = "attention.decode.partial_out", "attention.decode.partial_lse"
-_ARRIVALS = "attention.decode.arrivals"
 
 
 def reserve_split_partials(workspace: Workspace, max_rows: int, layer: AttentionLayerSpec) -> None:
-    """Room for the split partials of any decode batch of up to `max_rows` sequences, and
-    the counters of their splits' arrivals (zeroed once here; each launch leaves them zero)."""
+    """Room for the split partials of any decode batch of up to `max_rows` sequences."""
     rows = max(n * decode_splits(n, layer.num_kv_heads, workspace.device) for n in range(1, max_rows + 1))
     workspace.reserve(_PARTIAL_OUT, rows * layer.num_heads * layer.head_dim, torch.float32)
     workspace.reserve(_PARTIAL_LSE, rows * layer.num_heads, torch.float32)
-    # A counter per (sequence, head group): KV heads here, blocks of query heads in latent attention.
-    workspace.reserve(_ARRIVALS, max_rows * layer.num_heads, torch.int32)
-
-
-def split_arrivals(workspace: Workspace | None, device: torch.device, num_seqs: int, groups: int) -> torch.Tensor:
-    """A zeroed counter per (sequence, head group): how many of its splits have finished."""
-    if workspace is None:
-        return torch.zeros((num_seqs, groups), dtype=torch.int32, device=device)
-    return workspace.get(_ARRIVALS, (num_seqs, groups), torch.int32)
 
 
 def combine_splits(
