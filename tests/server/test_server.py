@@ -272,6 +272,44 @@ def test_hundred_concurrent_streams_all_complete(server):
     assert "kestrel:time_to_first_token_seconds_count" in metrics
 
 
+def test_concurrent_greedy_requests_answer_as_they_do_alone(server):
+    """Batching must not mix up rows: each greedy completion sent among many others (streamed
+    or not, prompts long enough to be prefilled in chunks beside decoding rows) gives the
+    tokens it gives alone. Batched and one-row steps sum in different orders on the CPU, so
+    an answer may part from its lone one only where the lone one's top two tokens tie within
+    rounding (a near-tie), after which the rest may differ."""
+    prompts = [f"story {index}: " + "once upon a time " * (3 + 40 * (index % 3)) for index in range(12)]
+
+    async def one(client: httpx.AsyncClient, prompt: str, stream: bool) -> list[tuple[str, dict]]:
+        request = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        request |= {"logprobs": 2, "stream": stream}
+        if not stream:
+            choice = (await client.post("/v1/completions", json=request)).json()["choices"][0]
+            return list(zip(choice["logprobs"]["tokens"], choice["logprobs"]["top_logprobs"]))
+        steps = []
+        async with client.stream("POST", "/v1/completions", json=request) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                    steps += list(zip(logprobs["tokens"], logprobs["top_logprobs"]))
+        return steps
+
+    async def run() -> tuple[list, list]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=120) as client:
+            alone = [await one(client, prompt, stream=False) for prompt in prompts]
+            together = await asyncio.gather(*(one(client, p, stream=i % 2 == 0) for i, p in enumerate(prompts)))
+            return alone, together
+
+    alone, together = asyncio.run(run())
+    for lone, batched in zip(alone, together):
+        assert len(lone) == len(batched) == 8
+        for (token, top), (other, _) in zip(lone, batched):
+            if token != other:
+                first, second = sorted(top.values(), reverse=True)[:2]
+                assert first - second < 1e-3, f"{other!r} where alone gave {token!r} (margin {first - second})"
+                break
+
+
 def test_prefix_cache_metrics_count_reused_tokens(server):
     prompt = "A long shared system prompt that several requests begin with. " * 6
     for _ in range(2):
