@@ -290,7 +290,7 @@ def test_concurrent_greedy_requests_answer_as_they_do_alone(server):
         async with client.stream("POST", "/v1/completions", json=request) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
-                    logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                    logprobs = json.loads(line[6:])["choices"][0]["logprobs"] or {"tokens": [], "top_logprobs": []}
                     steps += list(zip(logprobs["tokens"], logprobs["top_logprobs"]))
         return steps
 
