@@ -272,12 +272,14 @@ def test_hundred_concurrent_streams_all_complete(server):
     assert "kestrel:time_to_first_token_seconds_count" in metrics
 
 
-def test_concurrent_greedy_requests_answer_as_they_do_alone(server):
+def test_concurrent_greedy_requests_answer_as_they_do_alone(server_model):
     """Batching must not mix up rows: each greedy completion sent among many others (streamed
     or not, prompts long enough to be prefilled in chunks beside decoding rows) gives the
-    tokens it gives alone. Batched and one-row steps sum in different orders on the CPU, so
-    an answer may part from its lone one only where the lone one's top two tokens tie within
-    rounding (a near-tie), after which the rest may differ."""
+    tokens it gives alone. The server caches no prefixes, so the concurrent round computes
+    every prompt again (with a cache, the lone round's pages would leave it only decode rows).
+    Batched and one-row steps sum in different orders on the CPU, so an answer may part from
+    its lone one only where the lone one's top two tokens tie within rounding (a near-tie),
+    after which the rest may differ."""
     prompts = [f"story {index}: " + "once upon a time " * (3 + 40 * (index % 3)) for index in range(12)]
 
     async def one(client: httpx.AsyncClient, prompt: str, stream: bool) -> list[tuple[str, dict]]:
@@ -300,7 +302,15 @@ def test_concurrent_greedy_requests_answer_as_they_do_alone(server):
             together = await asyncio.gather(*(one(client, p, stream=i % 2 == 0) for i, p in enumerate(prompts)))
             return alone, together
 
-    alone, together = asyncio.run(run())
+    server = ServerProcess(
+        server_model, "--max-num-batched-tokens", "256", "--page-size", "8", "--no-enable-prefix-caching"
+    )
+    try:
+        alone, together = asyncio.run(run())
+        reused_tokens = server.metric("prefix_cache_hits_total")
+    finally:
+        server.stop()
+    assert reused_tokens == 0, "the concurrent round reused the lone round's pages"
     for lone, batched in zip(alone, together):
         assert len(lone) == len(batched) == 8
         for (token, top), (other, _) in zip(lone, batched):
