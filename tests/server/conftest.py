@@ -157,9 +157,13 @@ def server_model(checkpoint_dir) -> Path:
     return checkpoint_dir("qwen3")
 
 
+# The shared server's engine: prompts over 256 tokens are prefilled in chunks, pages are small.
+SERVER_ARGS = ("--max-num-batched-tokens", "256", "--page-size", "8")
+
+
 @pytest.fixture(scope="session")
 def server(server_model):
-    process = ServerProcess(server_model, "--max-num-batched-tokens", "256", "--page-size", "8")
+    process = ServerProcess(server_model, *SERVER_ARGS)
     yield process
     process.stop()
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME, ServerProcess
+from tests.server.conftest import API_KEY, MODEL_NAME, SERVER_ARGS, ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -302,9 +302,7 @@ def test_concurrent_greedy_requests_answer_as_they_do_alone(server_model):
             together = await asyncio.gather(*(one(client, p, stream=i % 2 == 0) for i, p in enumerate(prompts)))
             return alone, together
 
-    server = ServerProcess(
-        server_model, "--max-num-batched-tokens", "256", "--page-size", "8", "--no-enable-prefix-caching"
-    )
+    server = ServerProcess(server_model, *SERVER_ARGS, "--no-enable-prefix-caching")
     try:
         alone, together = asyncio.run(run())
         reused_tokens = server.metric("prefix_cache_hits_total")
