@@ -11,6 +11,10 @@ fewer warps (one warp holds a whole tile: no exchange between warps in each bloc
 loop shapes.
 `--prefill` times the prefill kernel instead: `--prefill-seqs` fresh prompts of `--context`
 tokens (causal), in TFLOP/s, over query blocks, key blocks, warps and stages.
+`--overlap` times, for one Llama-3-8B layer at `--batch` rows, the decode attention over a
+float8 pool and the layer's four projections (float8 weights, then bf16), each alone and then
+on two streams at once in one graph: whether a step's memory-bound attention could run beside
+its compute-bound matmuls (two half-batches a layer apart) and save the time of the shorter.
 """
 
 from __future__ import annotations
@@ -59,7 +63,10 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true", help="pages as an engine hands them out")
     parser.add_argument("--prefill", action="store_true")
     parser.add_argument("--prefill-seqs", type=int, default=8)
+    parser.add_argument("--overlap", action="store_true")
     args = parser.parse_args()
+    if args.overlap:
+        return overlap(args.batch, args.context)
     if args.prefill:
         return prefill_sweep(args.prefill_seqs, args.context, args.quick)
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
@@ -116,6 +123,56 @@ def milliseconds_per_call(call, repeats: int = 20) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / repeats
+
+
+LLAMA_PROJECTIONS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate/up, down
+
+
+def overlap(batch: int, context: int) -> None:
+    from kestrel.layers.fp8_matmul import fp8_linear
+    from kestrel.layers.quantized import quantize_fp8
+
+    layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    query = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    output = torch.empty_like(query)
+    kv, meta = pool(torch.float8_e4m3fn, batch, context)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for n, k in LLAMA_PROJECTIONS]
+    float8 = [quantize_fp8(weight) for weight in weights]
+    inputs = [torch.randn(batch, k, device="cuda", dtype=torch.bfloat16) for _, k in LLAMA_PROJECTIONS]
+
+    def attention():
+        decode_attention(query, kv.layer(0), meta, layer, output)
+
+    def float8_matmuls():
+        for x, weight in zip(inputs, float8):
+            fp8_linear(x, weight.values, weight.scales)
+
+    def bf16_matmuls():
+        for x, weight in zip(inputs, weights):
+            torch.mm(x, weight.t())
+
+    side = torch.cuda.Stream()
+    alone = milliseconds_per_call(attention)
+    print(f"attention alone, float8 pool, {batch} x {context}: {alone * 1e3:.1f} us")
+    for name, matmuls in (("float8", float8_matmuls), ("bf16", bf16_matmuls)):
+        matmul_alone = milliseconds_per_call(matmuls)
+        together = milliseconds_per_call(lambda matmuls=matmuls: on_two_streams(attention, matmuls, side))
+        print(
+            f"{name} projections alone {matmul_alone * 1e3:.1f} us; both one after the other "
+            f"{(alone + matmul_alone) * 1e3:.1f} us; on two streams {together * 1e3:.1f} us "
+            f"(saves {(alone + matmul_alone - together) * 1e3:.1f} us of the shorter's "
+            f"{min(alone, matmul_alone) * 1e3:.1f})"
+        )
+
+
+def on_two_streams(first, second, side: torch.cuda.Stream) -> None:
+    """`first` on the current stream and `second` on the `side` stream, both after what came
+    before and both done before what comes after (the fork and join a graph captures)."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        second()
+    first()
+    torch.cuda.current_stream().wait_stream(side)
 
 
 def prefill_sweep(seqs: int, length: int, quick: bool) -> None:
