@@ -23,6 +23,7 @@ class Measurement:
     num_requests: int
     output_tokens: int
     seconds: float
+    preemptions: int = 0  # requests preempted for KV pages during the run (Kestrel's)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -43,12 +44,14 @@ def time_kestrel(llm, prompts: list[list[int]], output_len: int) -> Measurement:
 
     params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True, seed=0)
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    preempted_before = llm.engine.num_preemptions
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     llm.engine.parts.runtime.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return Measurement("kestrel", len(prompts), len(prompts), tokens, seconds)
+    preempted = llm.engine.num_preemptions - preempted_before
+    return Measurement("kestrel", len(prompts), len(prompts), tokens, seconds, preempted)
 
 
 def time_hf(model, prompts: list[list[int]], output_len: int) -> Measurement:
@@ -140,9 +143,11 @@ def run_throughput_benchmark(args: argparse.Namespace) -> int:
     quantized = f", {llm.engine.parts.quantization} weights" if llm.engine.parts.quantization else ""
     print(f"model {spec.architecture}, {cost.num_params / 1e6:.1f}M parameters, {dtype}{quantized}, {device}")
     print(f"workload: input {args.input_len}, output {args.output_len} tokens per request")
-    print(f"{'engine':<18}{'concurrency':>12}{'requests/s':>12}{'output tok/s':>14}")
+    print(f"{'engine':<18}{'concurrency':>12}{'requests/s':>12}{'output tok/s':>14}{'preempted':>11}")
     for m in results:
-        print(f"{m.name:<18}{m.concurrency:>12}{m.requests_per_s:>12.2f}{m.output_tokens_per_s:>14.1f}")
+        print(
+            f"{m.name:<18}{m.concurrency:>12}{m.requests_per_s:>12.2f}{m.output_tokens_per_s:>14.1f}{m.preemptions:>11}"
+        )
     print(
         f"matmul rate at {args.num_prompts} rows: {rate / 1e9:.1f} GFLOP/s; "
         f"compute limit at concurrency {args.num_prompts}: {limit:.1f} output tok/s"

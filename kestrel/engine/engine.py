@@ -46,6 +46,7 @@ from kestrel.engine.structured_outputs import GrammarCache, StructuredOutputs
 from kestrel.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kestrel.engine")
+PREEMPTION_WARNING_EVERY = 100
 GRAMMAR_WAIT_SECONDS = 0.05
 
 
@@ -93,6 +94,7 @@ class EngineStats:
     num_total_state_slots: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
+    num_preemptions: int  # requests preempted for pages since start (vLLM's num_preemptions)
     # The host KV tier, since start: of the hits, tokens reused through it (its pages, or a
     # hybrid prefix its snapshot made usable); bytes copied out to it and back in.
     kv_offload_hit_tokens: int = 0
@@ -128,7 +130,8 @@ class LLMEngine:
         # Where a prefill request's state goes when it finishes (kv_buffer_device).
         self._exports = StateCopy(self.parts.groups, self._export_place(args))
         self._swap_preempted = args.preemption_mode == "swap"
-        self.num_swapped_out = 0  # preemptions that kept the request's state in host memory
+        self.num_preemptions = 0  # requests preempted for pages, since start
+        self.num_swapped_out = 0  # of those, the ones that kept their state in host memory
         self._in_flight: _InFlightStep | None = None
         self.structured = self._structured_outputs(args)
         # Per constrained request of the step being read: whether its grammar stayed open
@@ -412,6 +415,21 @@ class LLMEngine:
         cached = self._prefix_hits[request.request_id].num_tokens(self.parts.kv.spec.page_size)
         return RequestView(request.request_id, request.num_tokens, cached, 0)
 
+    def _count_preemption(self, request_id: str) -> None:
+        """Counted, and said in the log (as vLLM warns) on the first and every hundredth: a
+        preempted request's work is redone or copied back, so a server that keeps preempting
+        wants more KV memory or fewer sequences at once."""
+        self.num_preemptions += 1
+        if self.num_preemptions == 1 or self.num_preemptions % PREEMPTION_WARNING_EVERY == 0:
+            how = "its state moved to host memory" if self._swap_preempted else "its KV to be recomputed"
+            logger.warning(
+                "request %s preempted (%s): the KV cache is full (preemptions so far: %d); raise "
+                "--gpu-memory-utilization or --kv-cache-memory-gb, or lower --max-num-seqs, to avoid them",
+                request_id,
+                how,
+                self.num_preemptions,
+            )
+
     def _view(self, request: Request) -> RequestView:
         pages = len(self.parts.kv.held_by(request.request_id))
         num_tokens = request.num_planned_tokens + len(request.draft_token_ids)
@@ -420,6 +438,7 @@ class LLMEngine:
     def _apply(self, plan: StepPlan) -> None:
         for request_id in plan.preempted:  # newest first, so the oldest ends up at the front
             request = self._requests[request_id]
+            self._count_preemption(request_id)
             self._running.remove(request)
             request.draft_token_ids = ()
             if self._swap_preempted:
@@ -625,6 +644,7 @@ class LLMEngine:
             num_total_state_slots=self.parts.recurrent.num_slots if self.parts.recurrent else 0,
             prefix_cache_queries=self._prefix.queried_tokens,
             prefix_cache_hits=self._prefix.hit_tokens,
+            num_preemptions=self.num_preemptions,
             **self._host_tier_stats(),
             **self._structured_stats(),
             **self._speculation_stats(),

@@ -84,6 +84,7 @@ class CoreStats:
     num_total_pages: int
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative tokens reused
+    num_preemptions: int = 0  # cumulative requests preempted for pages
     kv_offload_hit_tokens: int = 0  # cumulative: of those, tokens copied back from the host tier
     kv_offload_stored_bytes: int = 0  # cumulative bytes copied to the host tier, and back
     kv_offload_loaded_bytes: int = 0

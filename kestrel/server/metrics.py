@@ -73,7 +73,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._seen_queries = self._seen_hits = 0
-        self._totals = {  # CoreStats' running totals of structured outputs, as counters
+        self._totals = {  # CoreStats' running totals, as counters
+            "num_preemptions": counter("num_preemptions", "Requests preempted because the KV cache was full."),
             "structured_requests": counter("structured_output_requests", "Requests with an output constraint."),
             "grammars_compiled": counter("grammar_compilations", "Grammars compiled (cache misses)."),
             "grammar_compile_seconds": counter("grammar_compile_seconds", "Time compiling grammars."),

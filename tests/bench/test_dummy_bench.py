@@ -23,3 +23,21 @@ def test_latency_bench_runs_both_engines_on_a_config_folder(tmp_path):
     # A hybrid MoE step reads its top-k experts, not all of them, and its recurrent state.
     assert 0 < report["weight_bytes_per_step"] < report["model_weight_bytes"]
     assert report["recurrent_state_bytes_per_step"] > 0
+
+
+def test_throughput_bench_counts_the_preemptions_of_a_tight_pool(tmp_path):
+    """Six sequences of 48 tokens need 36 pages of 8; the pool holds 20, so the engine
+    preempts, and the report says how often, beside tokens that all arrived."""
+    config = _family_configs(len(tokenizer()), tokenizer().eos_token_id)["qwen3"]
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(tmp_path / "model")
+    float32_bytes_per_page = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 8
+    report_path = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", str(tmp_path / "model"), "--load-format", "dummy", "--device", "cpu"]
+    argv += ["--dtype", "float32", "--page-size", "8", "--max-model-len", "64", "--no-hf-baseline"]
+    argv += ["--kv-cache-memory-gb", str(20 * float32_bytes_per_page / 2**30)]
+    argv += ["--num-prompts", "6", "--input-len", "24", "--output-len", "24", "--output-json", str(report_path)]
+    assert main(argv) == 0
+    lone, batch = json.loads(report_path.read_text())["results"]
+    assert lone["preemptions"] == 0 and lone["output_tokens"] == 24
+    assert batch["preemptions"] > 0 and batch["output_tokens"] == 6 * 24

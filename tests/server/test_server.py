@@ -318,6 +318,35 @@ def test_concurrent_greedy_requests_answer_as_they_do_alone(server_model):
                 break
 
 
+def test_requests_preempted_for_pages_still_answer_in_full(server_model):
+    """Six requests that each grow to 9 pages of 8 tokens, on a pool of 20 pages: the engine
+    must preempt some of them (recomputing their KV later), and still every one answers with
+    all its tokens; the metric counts the preemptions, and every page comes back."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(server_model)
+    float32_page = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 8
+    pool = ("--kv-cache-memory-gb", str(20 * float32_page / 2**30), "--max-model-len", "96", "--dtype", "float32")
+    request = {"model": MODEL_NAME, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=120) as client:
+            answers = [client.post("/v1/completions", json=request | {"prompt": f"tale {i}"}) for i in range(6)]
+            return [response.json() for response in await asyncio.gather(*answers)]
+
+    server = ServerProcess(server_model, *SERVER_ARGS, *pool)
+    try:
+        answers = asyncio.run(run())
+        preemptions = server.metric("num_preemptions_total")
+        wait_idle(server)
+    finally:
+        server.stop()
+    assert preemptions > 0, "the pool held every request: nothing was preempted"
+    for answer in answers:
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 60
+
+
 def test_prefix_cache_metrics_count_reused_tokens(server):
     prompt = "A long shared system prompt that several requests begin with. " * 6
     for _ in range(2):
