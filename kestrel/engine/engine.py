@@ -416,7 +416,7 @@ class LLMEngine:
         return RequestView(request.request_id, request.num_tokens, cached, 0)
 
     def _count_preemption(self, request_id: str) -> None:
-        """Counted, and said in the log (as vLLM warns) on the first and every hundredth: a
+        """Count a preemption, and warn of the first and every hundredth (as vLLM does): a
         preempted request's work is redone or copied back, so a server that keeps preempting
         wants more KV memory or fewer sequences at once."""
         self.num_preemptions += 1

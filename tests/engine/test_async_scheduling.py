@@ -101,6 +101,7 @@ def test_overlapped_steps_survive_preemption(checkpoint_dir, family, preemption_
     tight.engine._apply = apply
     assert_same_outputs(generate(tight, batch, [greedy] * 8), expected)
     assert preempted  # the pool was tight enough for the planner to preempt
+    assert tight.engine.stats().num_preemptions == len(preempted)
     assert tight.engine.num_swapped_out == (len(preempted) if preemption_mode == "swap" else 0)
     assert_pool_balanced(tight)
 
