@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from kestrel.__main__ import main
+from kestrel.core.state import KVCacheSpec
 from tests.checkpoints import _family_configs, tokenizer
 
 
@@ -31,11 +34,11 @@ def test_throughput_bench_counts_the_preemptions_of_a_tight_pool(tmp_path):
     config = _family_configs(len(tokenizer()), tokenizer().eos_token_id)["qwen3"]
     config.architectures = ["Qwen3ForCausalLM"]
     config.save_pretrained(tmp_path / "model")
-    float32_bytes_per_page = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 8
+    page = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, torch.float32, 8)
     report_path = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--model", str(tmp_path / "model"), "--load-format", "dummy", "--device", "cpu"]
     argv += ["--dtype", "float32", "--page-size", "8", "--max-model-len", "64", "--no-hf-baseline"]
-    argv += ["--kv-cache-memory-gb", str(20 * float32_bytes_per_page / 2**30)]
+    argv += ["--kv-cache-memory-gb", str(20 * page.bytes_per_page() / 2**30)]
     argv += ["--num-prompts", "6", "--input-len", "24", "--output-len", "24", "--output-json", str(report_path)]
     assert main(argv) == 0
     lone, batch = json.loads(report_path.read_text())["results"]

@@ -319,14 +319,24 @@ def test_concurrent_greedy_requests_answer_as_they_do_alone(server_model):
 
 
 def test_requests_preempted_for_pages_still_answer_in_full(server_model):
-    """Six requests that each grow to 9 pages of 8 tokens, on a pool of 20 pages: the engine
+    """Six requests that each grow to 8 pages of 8 tokens, on a pool of 20 pages: the engine
     must preempt some of them (recomputing their KV later), and still every one answers with
     all its tokens; the metric counts the preemptions, and every page comes back."""
+    import torch
     from transformers import AutoConfig
 
+    from kestrel.core.state import KVCacheSpec
+
     config = AutoConfig.from_pretrained(server_model)
-    float32_page = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 8
-    pool = ("--kv-cache-memory-gb", str(20 * float32_page / 2**30), "--max-model-len", "96", "--dtype", "float32")
+    page = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, torch.float32, 8)
+    pool = (
+        "--kv-cache-memory-gb",
+        str(20 * page.bytes_per_page() / 2**30),
+        "--max-model-len",
+        "96",
+        "--dtype",
+        "float32",
+    )
     request = {"model": MODEL_NAME, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
 
     async def run() -> list[dict]:
