@@ -468,6 +468,13 @@ def build_rank(
     if recurrent is not None and kv.prefix_cache is not None:
         kv.prefix_cache.on_snapshot_dropped = recurrent.free_snapshot
     max_model_len = resolve_max_model_len(args, loaded.spec, kv)
+    # As vLLM reports it: how many requests of the longest length the pool holds at once.
+    logger.info(
+        "KV pool: %d tokens; maximum concurrency at %d tokens per request: %.2fx",
+        kv.capacity_tokens,
+        max_model_len,
+        kv.capacity_tokens / max_model_len,
+    )
     runner = build_runner(args, loaded, kv, fixed, max_model_len, sampling=parallel.rank == 0, parallel=parallel)
     return RankParts(
         runtime,

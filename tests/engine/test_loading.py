@@ -49,6 +49,15 @@ def test_dummy_weights_of_a_named_shape_need_no_checkpoint():
         llm.generate("text needs a tokenizer", use_tqdm=False)
 
 
+def test_the_log_says_how_many_longest_requests_the_kv_pool_holds(caplog):
+    """vLLM's "maximum concurrency" line: what an operator sizing max_num_seqs reads."""
+    with caplog.at_level("INFO", logger="kestrel"):
+        llm = LLM("qwen3-60m", load_format="dummy", max_model_len=256, kv_cache_memory_gb=0.05)
+    tokens = llm.engine.parts.kv.capacity_tokens
+    expected = f"KV pool: {tokens} tokens; maximum concurrency at 256 tokens per request: {tokens / 256:.2f}x"
+    assert expected in caplog.text
+
+
 @pytest.mark.parametrize("name", sorted(DUMMY_CONFIGS))
 def test_every_named_shape_reads_as_its_recipe_expects(name):
     config = dummy_hf_config(name)
