@@ -111,11 +111,11 @@ def batch_layout(parts, rows: range, context: int) -> BatchLayout:
     return BatchLayout(chunks, len(chunks), page_size)
 
 
-def forward(model, parts, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+def forward(model, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
     return model.compute_logits(model(ids, positions, context))
 
 
-def halves_on_two_streams(model, parts, halves, streams) -> list[torch.Tensor]:
+def halves_on_two_streams(model, halves, streams) -> list[torch.Tensor]:
     """Both halves' logits, each half's forward in a thread on its own stream, taking turns."""
     on_cuda = streams[0] is not None
     turns = TurnTaking(on_cuda)
@@ -130,7 +130,7 @@ def halves_on_two_streams(model, parts, halves, streams) -> list[torch.Tensor]:
         try:
             with torch.inference_mode(), torch.cuda.stream(streams[half]) if on_cuda else contextlib.nullcontext():
                 turns.rings[BETWEEN].enter(half)
-                results[half] = forward(model, parts, ids, positions, context)
+                results[half] = forward(model, ids, positions, context)
                 turns.rings[BETWEEN].end(half)
         except BaseException as error:  # re-raised by the caller's thread
             results[half] = error
@@ -211,14 +211,14 @@ def main() -> None:
 
     def full() -> torch.Tensor:
         with torch.inference_mode():
-            return forward(model, parts, ids, positions, full_context)
+            return forward(model, ids, positions, full_context)
 
     def one_stream() -> list[torch.Tensor]:
         with torch.inference_mode():
-            return [forward(model, parts, *halves[h][:2], halves[h][2]) for h in (0, 1)]
+            return [forward(model, *halves[h][:2], halves[h][2]) for h in (0, 1)]
 
     def two_streams() -> list[torch.Tensor]:
-        return halves_on_two_streams(model, parts, halves, streams)
+        return halves_on_two_streams(model, halves, streams)
 
     shape = f"{args.dummy_config} {args.quantization or args.dtype}, KV {args.kv_cache_dtype}"
     print(f"{shape}, {args.batch} rows at {args.context} tokens, halves of {half}")
